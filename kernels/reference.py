@@ -1,0 +1,194 @@
+"""Torch reference twins of the hot ops. They run everywhere, define what the Triton
+kernels must compute, and are what the dispatch point picks on CPU.
+
+KV cache layout, per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftwise.kernels.metadata import AttentionMetadata
+
+# Sequences with at most this many new tokens (decode, verify, short chunks) are attended
+# together as one padded batch; longer prompt chunks one at a time.
+SHORT_QUERY_MAX = 32
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store each new token's key and value at its slot."""
+    h, d = k_cache.shape[-2:]
+    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual' = x + residual`` (or ``x``), then RMSNorm of it in float32.
+
+    Returns ``(normed, residual')``, as Hugging Face's Llama computes them.
+    """
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype), x
+
+
+@dataclass
+class _ShortGroup:
+    token_index: torch.Tensor  # [G, Qmax] flat index of each query (padding points at a valid token)
+    valid: torch.Tensor  # [G, Qmax] bool
+    flat_valid_index: torch.Tensor  # [n_valid] flat indices, in valid-mask order
+    block_tables: torch.Tensor  # [G, nb]
+    q_pos: torch.Tensor  # [G, Qmax] absolute position of each query
+    key_pos: torch.Tensor  # [nb * block_size]
+    seq_lens: torch.Tensor  # [G]
+    masks: dict[int | None, torch.Tensor]  # window -> [G, 1, Qmax, L] bool
+
+
+@dataclass
+class _LongSeq:
+    start: int
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # [nb] block ids covering the context
+    masks: dict[int | None, torch.Tensor | None]  # window -> [q, L] bool (None: plain causal from 0)
+
+
+@dataclass
+class _Plan:
+    short: _ShortGroup | None
+    long: list[_LongSeq]
+
+
+def _plan(meta: AttentionMetadata) -> _Plan:
+    plan = meta.backend_state.get("torch")
+    if plan is not None:
+        return plan
+    device = meta.slot_mapping.device
+    bs = meta.block_size
+    qsl = [0]
+    for q in meta.query_lens_cpu:
+        qsl.append(qsl[-1] + q)
+    short_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q <= SHORT_QUERY_MAX]
+    long_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
+    short = None
+    if short_ids:
+        qmax = max(meta.query_lens_cpu[i] for i in short_ids)
+        lmax = max(meta.seq_lens_cpu[i] for i in short_ids)
+        nb = -(-lmax // bs)
+        tok, val, pos = [], [], []
+        for i in short_ids:
+            q, s = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+            tok.append([qsl[i] + min(j, q - 1) for j in range(qmax)])
+            val.append([j < q for j in range(qmax)])
+            pos.append([s - q + j if j < q else 0 for j in range(qmax)])
+        token_index = torch.tensor(tok, dtype=torch.int64, device=device)
+        valid = torch.tensor(val, dtype=torch.bool, device=device)
+        idx = torch.tensor(short_ids, dtype=torch.int64, device=device)
+        short = _ShortGroup(
+            token_index=token_index,
+            valid=valid,
+            flat_valid_index=token_index[valid],
+            block_tables=meta.block_tables.index_select(0, idx)[:, :nb].long(),
+            q_pos=torch.tensor(pos, dtype=torch.int64, device=device),
+            key_pos=torch.arange(nb * bs, device=device),
+            seq_lens=meta.seq_lens.index_select(0, idx).long(),
+            masks={},
+        )
+    long = []
+    for i in long_ids:
+        s = meta.seq_lens_cpu[i]
+        long.append(
+            _LongSeq(
+                start=qsl[i],
+                end=qsl[i + 1],
+                seq_len=s,
+                blocks=meta.block_tables[i, : -(-s // bs)].long(),
+                masks={},
+            )
+        )
+    plan = _Plan(short=short, long=long)
+    meta.backend_state["torch"] = plan
+    return plan
+
+
+def _short_mask(g: _ShortGroup, window: int | None) -> torch.Tensor:
+    m = g.masks.get(window)
+    if m is None:
+        kp = g.key_pos[None, None, :]  # [1, 1, L]
+        qp = g.q_pos[:, :, None]  # [G, Qmax, 1]
+        m = (kp <= qp) & (kp < g.seq_lens[:, None, None])
+        if window is not None:
+            m &= kp > qp - window
+        m = m[:, None]  # [G, 1, Qmax, L]
+        g.masks[window] = m
+    return m
+
+
+def _long_mask(s: _LongSeq, window: int | None, device: torch.device) -> torch.Tensor | None:
+    if window in s.masks:
+        return s.masks[window]
+    q = s.end - s.start
+    qp = torch.arange(s.seq_len - q, s.seq_len, device=device)[:, None]
+    kp = torch.arange(s.seq_len, device=device)[None, :]
+    m = kp <= qp
+    if window is not None:
+        m &= kp > qp - window
+    s.masks[window] = m
+    return m
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its whole context, read from the
+    paged cache (the new tokens' KV must already be written)."""
+    plan = _plan(meta)
+    out = torch.empty_like(q)
+    h, d = k_cache.shape[-2:]
+    gqa = q.shape[1] != h
+    g = plan.short
+    if g is not None:
+        G, nb = g.block_tables.shape
+        keys = k_cache[g.block_tables].view(G, -1, h, d).transpose(1, 2)  # [G, Hkv, L, D]
+        vals = v_cache[g.block_tables].view(G, -1, h, d).transpose(1, 2)
+        qq = q[g.token_index].transpose(1, 2)  # [G, H, Qmax, D]
+        o = F.scaled_dot_product_attention(
+            qq, keys.to(q.dtype), vals.to(q.dtype), attn_mask=_short_mask(g, sliding_window), scale=scale, enable_gqa=gqa
+        )
+        out[g.flat_valid_index] = o.transpose(1, 2)[g.valid]
+    for s in plan.long:
+        keys = k_cache[s.blocks].view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        vals = v_cache[s.blocks].view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]
+        qq = q[s.start : s.end].transpose(0, 1)[None]  # [1, H, q, D]
+        o = F.scaled_dot_product_attention(
+            qq,
+            keys.to(q.dtype),
+            vals.to(q.dtype),
+            attn_mask=_long_mask(s, sliding_window, q.device),
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[s.start : s.end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,140 @@
+"""Random tiny Hugging Face checkpoints for parity tests, and a driver that runs our model
+on a flat batch with shuffled, non-contiguous block tables."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from draftwise.worker.kv_cache import KVCache
+from draftwise.worker.loader import load_model
+from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+# name -> (architecture, extra config)
+CASES: dict[str, tuple[str, dict]] = {
+    "llama-mha-untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama-gqa-tied-llama3rope": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+    ),
+    "llama-linear-rope-mqa": (
+        "llama",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+    ),
+    "qwen2-bias-gqa-tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-bias-mha-untied": ("qwen2", dict(num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)),
+    "mistral-gqa-window": (
+        "mistral",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=12),
+    ),
+    "mistral-mha-tied": ("mistral", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, sliding_window=None)),
+}
+
+
+def make_checkpoint(case: str, folder: Path, seed: int = 0):
+    """Save a random tiny HF model for ``case`` in ``folder`` (float32 safetensors); return it."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    arch, extra = CASES[case]
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    cfg_cls, model_cls = classes[arch]
+    cfg = cfg_cls(**TINY, **extra, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():  # make biases and norms non-trivial
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def shuffled_tables(lengths: list[int], block_size: int, rng: random.Random, spare: int = 7) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of the given final lengths, drawn from a shuffled pool so
+    that no table is contiguous. Returns (tables, pool size)."""
+    need = [-(-n // block_size) for n in lengths]
+    pool = list(range(sum(need) + spare))
+    rng.shuffle(pool)
+    tables, i = [], 0
+    for n in need:
+        tables.append(pool[i : i + n])
+        i += n
+    return tables, len(pool)
+
+
+@torch.no_grad()
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
+    return hf_model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def compare_prefill_then_decode(
+    folder: Path,
+    hf_model,
+    prompts: list[list[int]],
+    block_size: int,
+    decode_steps: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Run all prompts as one flat batch, then ``decode_steps`` single-token steps for
+    every sequence; return the largest |ours - HF| over all logits compared."""
+    rng = random.Random(seed)
+    loaded = load_model(folder, dtype=dtype)
+    vocab = loaded.config.vocab_size
+    final = [len(p) + decode_steps for p in prompts]
+    tables, num_blocks = shuffled_tables(final, block_size, rng)
+    runner = ModelRunner(loaded, KVCache(loaded.config, num_blocks, block_size, dtype, "cpu"))
+    seqs = [list(p) for p in prompts]
+    worst = 0.0
+    chunks = [SequenceChunk(p, 0, t, num_logits=len(p)) for p, t in zip(prompts, tables, strict=True)]
+    ours = runner.run(chunks)
+    row = 0
+    for p in prompts:
+        ref = hf_logits(hf_model, p)
+        worst = max(worst, (ours[row : row + len(p)] - ref).abs().max().item())
+        row += len(p)
+    for _ in range(decode_steps):
+        new = [rng.randrange(vocab) for _ in seqs]
+        chunks = [SequenceChunk([t], len(s), tab) for s, t, tab in zip(seqs, new, tables, strict=True)]
+        ours = runner.run(chunks)
+        for i, (s, t) in enumerate(zip(seqs, new, strict=True)):
+            s.append(t)
+            worst = max(worst, (ours[i] - hf_logits(hf_model, s)[-1]).abs().max().item())
+    return worst
