@@ -266,6 +266,21 @@ def decode_step_ms(model, ctx: int = 128, steps: int = 64) -> float:
     return 1000 * times[len(times) // 2]
 
 
+def write_tokenizer_config(folder: Path) -> None:
+    """A tokenizer_config.json that transformers 4.x and 5.x both read, and that leaves
+    decoded text exactly as encoded (no clean-up of spaces before punctuation)."""
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (folder / "special_tokens_map.json").unlink(missing_ok=True)
+
+
 def save(model, tok, folder: Path) -> None:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
@@ -275,6 +290,7 @@ def save(model, tok, folder: Path) -> None:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     hf_tok.model_max_length = 2048
     hf_tok.save_pretrained(folder)
+    write_tokenizer_config(folder)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(folder)
 
 

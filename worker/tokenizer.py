@@ -1,0 +1,38 @@
+"""Tokenizer loading: Hugging Face's ``AutoTokenizer`` from the checkpoint folder, offline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftwise.worker.model_config import ModelLoadError
+
+
+@dataclass
+class Tokenizer:
+    """A thin wrapper: encode adds the model's special prefix (e.g. BOS) as its tokenizer says."""
+
+    hf: Any  # transformers PreTrainedTokenizerBase
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+
+def load_tokenizer(folder: str | Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json (or tokenizer.model) in the model folder")
+    try:
+        return Tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{folder}: tokenizer could not be loaded ({e})") from None
