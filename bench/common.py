@@ -1,0 +1,80 @@
+"""Shared pieces of the benchmarks: held-out prompts, machine facts, and writing a section
+of docs/benchmarks.md between markers so that each benchmark owns its own section."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import re
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def heldout_texts(min_chars: int = 2000) -> list[str]:
+    """Texts of the standard-library files the default models never trained on."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for name in (ROOT / "docs" / "heldout_files.txt").read_text().split():
+        p = root / name
+        if p.is_file() and p.stat().st_size >= min_chars:
+            out.append(p.read_text(encoding="utf-8", errors="replace"))
+    return out
+
+
+def heldout_prompts(tokenizer, n: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    """``n`` prompts of token ids, lengths uniform in ``lengths``, cut from held-out files."""
+    rng = random.Random(seed)
+    encoded = [tokenizer.encode(t) for t in heldout_texts()]
+    encoded = [e for e in encoded if len(e) > lengths[1] + 1]
+    out = []
+    for _ in range(n):
+        ids = rng.choice(encoded)
+        length = rng.randint(*lengths)
+        start = rng.randrange(1, len(ids) - length)
+        out.append([ids[0]] + ids[start : start + length - 1])  # BOS + a window of code
+    return out
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second moved by a large tensor copy (read + write)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace (or append) the section ``name`` of docs/benchmarks.md."""
+    DOC.parent.mkdir(exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure is a ratio against a reference measured in the same run on the same machine.\n"
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)

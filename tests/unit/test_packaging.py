@@ -1,0 +1,64 @@
+"""The built wheel carries the default models, installs nothing but ``draftwise`` at the top
+level, and ``draftwise generate`` runs from it in another directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("src")
+    for name in ["pyproject.toml", "README.md"]:
+        shutil.copy(ROOT / name, src / name)
+    for name in ["draftwise", "worker", "kernels", "gateway"]:
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (whl,) = out.glob("draftwise-*.whl")
+    return whl
+
+
+def test_wheel_contents(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"draftwise"}, top
+    for which in ["target", "draft"]:
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"]:
+            assert f"draftwise/worker/default_models/{which}/{f}" in names
+    assert "draftwise/kernels/reference.py" in names and "draftwise/cli.py" in names
+
+
+def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True, timeout=300)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
+    code = "import draftwise.worker as w, sys; print(w.__file__); from draftwise.cli import main; sys.exit(main(sys.argv[1:]))"
+    res = subprocess.run(
+        [sys.executable, "-c", code, "generate", "def fibonacci(n):", "--max-tokens", "24"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    first, rest = res.stdout.split("\n", 1)
+    assert first.startswith(str(target)), first  # ran from the installed copy
+    assert rest.startswith("def fibonacci(n):") and len(rest) > len("def fibonacci(n):") + 10

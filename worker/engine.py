@@ -1,0 +1,381 @@
+"""The engine: requests in, one batched forward pass per ``step()``, token deltas out.
+
+    engine = LLMEngine(EngineConfig())
+    engine.add_request("a", "def fibonacci(n):", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        out = engine.step()   # StepOutput: deltas, finished, stats
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+import torch
+
+from draftwise.worker import default_model_path
+from draftwise.worker.block_manager import BlockManager
+from draftwise.worker.config import EngineConfig
+from draftwise.worker.detokenizer import IncrementalDetokenizer
+from draftwise.worker.kv_cache import KVCache, bytes_per_block
+from draftwise.worker.loader import LoadedModel, load_model
+from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+from draftwise.worker.outputs import RequestDelta, RequestOutput, StepOutput, StepStats
+from draftwise.worker.request import FinishReason, Request, RequestStatus
+from draftwise.worker.sampler import Sampler, SamplingRow, TokenLogprobs
+from draftwise.worker.sampling_params import SamplingParams
+from draftwise.worker.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from draftwise.worker.tokenizer import Tokenizer, load_tokenizer
+
+log = structlog.get_logger("draftwise.engine")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+DEFAULT_CHUNKED_BATCH_TOKENS = 2048
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, with chunked prefill and preemption."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        folder = Path(config.model) if config.model is not None else default_model_path("target")
+        self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
+        mcfg = self.loaded.config
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={mcfg.max_position_embeddings}"
+            )
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
+        self.eos_token_ids = _eos_ids(folder, mcfg.eos_token_ids, self.tokenizer)
+
+        max_batched = config.max_num_batched_tokens or (
+            DEFAULT_CHUNKED_BATCH_TOKENS if config.enable_chunked_prefill else self.max_model_len
+        )
+        if not config.enable_chunked_prefill and max_batched < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                f"({self.max_model_len}) so that every prompt fits in one step"
+            )
+        num_blocks = self._num_kv_blocks(max_batched)
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
+                f"max_model_len={self.max_model_len}: raise the KV budget or lower max_model_len"
+            )
+        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device)
+        self.runner = ModelRunner(self.loaded, self.kv_cache)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.blocks,
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._pending: list[tuple[RequestDelta, RequestOutput]] = []  # aborts, reported next step
+        self.num_steps = 0
+        log.info(
+            "kv cache ready",
+            blocks=num_blocks,
+            block_size=config.block_size,
+            capacity_tokens=capacity,
+            kv_mib=round(self.kv_cache.num_bytes / 2**20, 1),
+            weights_mib=round(self.loaded.weight_bytes / 2**20, 1),
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=max_batched,
+            attention_backend=self.runner.backend.name,
+        )
+
+    # ------------------------------------------------------------------ sizing
+
+    def _num_kv_blocks(self, max_batched: int) -> int:
+        cfg = self.config
+        per_block = bytes_per_block(self.loaded.config, cfg.block_size, self.loaded.dtype)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.loaded.device.type == "cuda":
+            budget = self._cuda_kv_budget(max_batched)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
+        return int(blocks)
+
+    def _cuda_kv_budget(self, max_batched: int) -> int:
+        """gpu_memory_utilization of the device, less the weights and the activation peak of
+        a profiling forward pass of ``max_batched`` tokens."""
+        dev = self.loaded.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        n = min(max_batched, self.max_model_len)
+        probe = KVCache(self.loaded.config, -(-n // self.config.block_size), self.config.block_size, self.loaded.dtype, dev)
+        ModelRunner(self.loaded, probe).run([SequenceChunk([0] * n, 0, list(range(probe.num_blocks)))])
+        torch.cuda.synchronize(dev)
+        activations = torch.cuda.max_memory_allocated(dev) - before - probe.num_bytes
+        del probe
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(dev)
+        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - activations
+        log.info("cuda memory profile", total_mib=total >> 20, activations_mib=activations >> 20, kv_budget_mib=budget >> 20)
+        return budget
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError (touching nothing) for a bad one."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len} "
+                "to leave room for output"
+            )
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        generator = None
+        if not params.is_greedy:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                stop=params.stop or (),
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            )
+        req = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            generator=generator,
+            detokenizer=detok,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        log.debug("request added", request_id=request_id, prompt_tokens=len(ids), max_tokens=max_tokens)
+        return req
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final delta comes with the next step.
+        False if no such request is unfinished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self.scheduler.remove(req)
+        text = req.detokenizer.output_text if req.detokenizer else ""
+        self._finish(req, FinishReason.ABORT)
+        delta = RequestDelta(
+            request_id=request_id,
+            token_ids=[],
+            first_token_index=len(req.output_token_ids),
+            text="",
+            logprobs=None,
+            finished=True,
+            finish_reason=FinishReason.ABORT.value,
+        )
+        self._pending.append((delta, RequestOutput.of(req, text)))
+        log.info("request aborted", request_id=request_id, output_tokens=len(req.output_token_ids))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> StepOutput:
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        deltas = [d for d, _ in pending]
+        finished = [o for _, o in pending]
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            self._execute(sched.scheduled, deltas, finished)
+        self.num_steps += 1
+        stats = StepStats(
+            num_scheduled=len(sched.scheduled),
+            num_batched_tokens=sched.num_batched_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(sched.preempted),
+            num_free_blocks=self.blocks.num_free_blocks,
+            step_time=time.perf_counter() - t0,
+        )
+        return StepOutput(deltas=deltas, finished=finished, stats=stats)
+
+    def _execute(self, scheduled: list[ScheduledRequest], deltas: list[RequestDelta], finished: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        chunks = []
+        for s in scheduled:
+            r = s.request
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            start = r.num_computed_tokens
+            chunks.append(
+                SequenceChunk(r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0)
+            )
+        sampling = [s.request for s in scheduled if s.samples]
+        logits = self.runner.run(chunks)  # [len(sampling), vocab]
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        if not sampling:
+            return
+        rows = [
+            SamplingRow(
+                params=r.sampling_params,
+                generator=r.generator,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r in sampling
+        ]
+        out = self.sampler(logits, rows)
+        for r, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
+            delta = self._append(r, [tok], [lp])
+            deltas.append(delta)
+            if delta.finished:
+                finished.append(RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else ""))
+
+    def _append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> RequestDelta:
+        """Add sampled tokens to ``req`` one at a time, stopping at the first finish condition."""
+        params = req.sampling_params
+        first = len(req.output_token_ids)
+        new: list[int] = []
+        new_lp: list[TokenLogprobs | None] = []
+        text: list[str] = []
+        detok = req.detokenizer
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        for tok, lp in zip(tokens, logprobs, strict=True):
+            req.output_token_ids.append(tok)
+            new.append(tok)
+            new_lp.append(lp)
+            if params.logprobs is not None:
+                req.output_logprobs.append(lp)
+            if tok in params.stop_token_ids or tok in req.eos_token_ids:
+                # the stop token's id is reported; its text is not
+                if detok is not None:
+                    text.append(detok.flush())
+                self._finish(req, FinishReason.STOP, tok if tok in params.stop_token_ids else None)
+                break
+            if detok is not None:
+                d = detok.add_tokens([tok])
+                text.append(d.text)
+                if d.stop_matched is not None:
+                    self._finish(req, FinishReason.STOP, d.stop_matched)
+                    break
+            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                if detok is not None:
+                    text.append(detok.flush())
+                self._finish(req, FinishReason.LENGTH)
+                break
+        if req.is_finished:
+            self.scheduler.remove(req)
+        return RequestDelta(
+            request_id=req.request_id,
+            token_ids=new,
+            first_token_index=first,
+            text="".join(text),
+            logprobs=new_lp if params.logprobs is not None else None,
+            finished=req.is_finished,
+            finish_reason=None if req.finish_reason is None else req.finish_reason.value,
+            stop_reason=req.stop_reason,
+        )
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finish_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        log.debug(
+            "request finished",
+            request_id=req.request_id,
+            reason=reason.value,
+            output_tokens=len(req.output_token_ids),
+            preemptions=req.num_preemptions,
+        )
+
+    def check_invariants(self) -> None:
+        """Every block is owned once by the request holding it, or free (tests call this)."""
+        self.blocks.pool.check(r.block_table for r in [*self.scheduler.running, *self.scheduler.waiting])
+
+    def check_idle_invariants(self) -> None:
+        """With no request left, every block must be free (tests call this)."""
+        if self.scheduler.num_unfinished:
+            raise AssertionError(f"{self.scheduler.num_unfinished} requests unfinished")
+        self.blocks.pool.check([])
+        if self.blocks.num_free_blocks != self.blocks.num_blocks:
+            raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} blocks still in use")
+
+
+def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """End-of-sequence ids: config.json, generation_config.json and the tokenizer, together."""
+    ids = set(from_config)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            eos = None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))

@@ -1,0 +1,116 @@
+"""What the engine hands back: per-step named outputs and vLLM-shaped request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftwise.worker.request import Request
+from draftwise.worker.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timings (``time.monotonic()`` seconds) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None  # per token, when SamplingParams.logprobs is set
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if not self.logprobs:
+            return None
+        return sum(lp.logprob for lp in self.logprobs if lp is not None)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @classmethod
+    def of(cls, req: Request, text: str) -> RequestOutput:
+        want_lp = req.sampling_params.logprobs is not None
+        return cls(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=text,
+                    token_ids=list(req.output_token_ids),
+                    logprobs=list(req.output_logprobs) if want_lp else None,
+                    finish_reason=None if req.finish_reason is None else req.finish_reason.value,
+                    stop_reason=req.stop_reason,
+                )
+            ],
+            finished=req.is_finished,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finish_time=req.finish_time,
+                num_preemptions=req.num_preemptions,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one request gained in one step."""
+
+    request_id: str
+    token_ids: list[int]  # new output tokens (may be empty on the final delta of an abort)
+    first_token_index: int  # index in the output of token_ids[0]: receivers can spot gaps and duplicates
+    text: str  # newly released text
+    logprobs: list[TokenLogprobs | None] | None
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_scheduled: int  # requests in the batch
+    num_batched_tokens: int  # tokens in the batch
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # preemptions this step
+    num_free_blocks: int
+    step_time: float  # seconds
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    deltas: list[RequestDelta] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)
+    stats: StepStats | None = None

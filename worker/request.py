@@ -1,0 +1,82 @@
+"""A request owns its state: tokens, block table, progress, sampling parameters, RNG,
+detokenizer and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from draftwise.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from draftwise.worker.detokenizer import IncrementalDetokenizer
+    from draftwise.worker.sampler import TokenLogprobs
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclass
+class Request:
+    """One generation request and everything the engine knows about it."""
+
+    request_id: str
+    prompt: str | None  # text, when the request came as text
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # effective cap on output tokens (params.max_tokens or what the context allows)
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (ignored with ignore_eos)
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None  # this request's RNG (None for greedy)
+    detokenizer: IncrementalDetokenizer | None = None  # None when the engine runs without a tokenizer
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens: the sequence as it stands."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
