@@ -52,8 +52,10 @@ def rms_norm(
 @dataclass
 class _ShortGroup:
     token_index: torch.Tensor  # [G, Qmax] flat index of each query (padding points at a valid token)
-    valid: torch.Tensor  # [G, Qmax] bool
-    flat_valid_index: torch.Tensor  # [n_valid] flat indices, in valid-mask order
+    padded_valid: torch.Tensor  # [n_valid] positions in the flattened [G * Qmax] that are real queries
+    flat_valid_index: torch.Tensor  # [n_valid] their flat token indices
+    dense: bool  # the group is the whole batch, in order, unpadded: no gather or scatter needed
+    single_len: int | None  # one sequence of one query: attend to its first single_len keys, no mask
     block_tables: torch.Tensor  # [G, nb]
     q_pos: torch.Tensor  # [G, Qmax] absolute position of each query
     key_pos: torch.Tensor  # [nb * block_size]
@@ -67,7 +69,7 @@ class _LongSeq:
     end: int
     seq_len: int
     blocks: torch.Tensor  # [nb] block ids covering the context
-    masks: dict[int | None, torch.Tensor | None]  # window -> [q, L] bool (None: plain causal from 0)
+    masks: dict[int | None, torch.Tensor]  # window -> [q, L] bool
 
 
 @dataclass
@@ -99,12 +101,16 @@ def _plan(meta: AttentionMetadata) -> _Plan:
             val.append([j < q for j in range(qmax)])
             pos.append([s - q + j if j < q else 0 for j in range(qmax)])
         token_index = torch.tensor(tok, dtype=torch.int64, device=device)
-        valid = torch.tensor(val, dtype=torch.bool, device=device)
+        flat_val = [i for i, v in enumerate(x for row in val for x in row) if v]
+        flat_tok = [x for row, vrow in zip(tok, val, strict=True) for x, v in zip(row, vrow, strict=True) if v]
         idx = torch.tensor(short_ids, dtype=torch.int64, device=device)
+        dense = not long_ids and len(flat_val) == len(short_ids) * qmax
         short = _ShortGroup(
             token_index=token_index,
-            valid=valid,
-            flat_valid_index=token_index[valid],
+            padded_valid=torch.tensor(flat_val, dtype=torch.int64, device=device),
+            flat_valid_index=torch.tensor(flat_tok, dtype=torch.int64, device=device),
+            dense=dense,
+            single_len=meta.seq_lens_cpu[short_ids[0]] if len(short_ids) == 1 and qmax == 1 else None,
             block_tables=meta.block_tables.index_select(0, idx)[:, :nb].long(),
             q_pos=torch.tensor(pos, dtype=torch.int64, device=device),
             key_pos=torch.arange(nb * bs, device=device),
@@ -141,7 +147,7 @@ def _short_mask(g: _ShortGroup, window: int | None) -> torch.Tensor:
     return m
 
 
-def _long_mask(s: _LongSeq, window: int | None, device: torch.device) -> torch.Tensor | None:
+def _long_mask(s: _LongSeq, window: int | None, device: torch.device) -> torch.Tensor:
     if window in s.masks:
         return s.masks[window]
     q = s.end - s.start
@@ -170,14 +176,27 @@ def paged_attention(
     gqa = q.shape[1] != h
     g = plan.short
     if g is not None:
-        G, nb = g.block_tables.shape
-        keys = k_cache[g.block_tables].view(G, -1, h, d).transpose(1, 2)  # [G, Hkv, L, D]
-        vals = v_cache[g.block_tables].view(G, -1, h, d).transpose(1, 2)
-        qq = q[g.token_index].transpose(1, 2)  # [G, H, Qmax, D]
+        G = g.block_tables.shape[0]
+        qmax = g.token_index.shape[1]
+        keys = k_cache[g.block_tables].view(G, -1, h, d)  # [G, L, Hkv, D]
+        vals = v_cache[g.block_tables].view(G, -1, h, d)
+        mask = None
+        if g.single_len is not None and (sliding_window is None or g.single_len <= sliding_window):
+            keys, vals = keys[:, : g.single_len], vals[:, : g.single_len]
+        else:
+            mask = _short_mask(g, sliding_window)
+        qq = q.view(G, qmax, *q.shape[1:]) if g.dense else q[g.token_index]  # [G, Qmax, H, D]
         o = F.scaled_dot_product_attention(
-            qq, keys.to(q.dtype), vals.to(q.dtype), attn_mask=_short_mask(g, sliding_window), scale=scale, enable_gqa=gqa
-        )
-        out[g.flat_valid_index] = o.transpose(1, 2)[g.valid]
+            qq.transpose(1, 2),
+            keys.transpose(1, 2).to(q.dtype),
+            vals.transpose(1, 2).to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=gqa,
+        ).transpose(1, 2)  # [G, Qmax, H, D]
+        if g.dense:  # the whole batch: nothing else to fill in
+            return o.reshape(q.shape)
+        out.index_copy_(0, g.flat_valid_index, o.reshape(G * qmax, *q.shape[1:]).index_select(0, g.padded_valid))
     for s in plan.long:
         keys = k_cache[s.blocks].view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
         vals = v_cache[s.blocks].view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]

@@ -116,7 +116,8 @@ class IncrementalDetokenizer:
         return DetokenizerDelta("".join(released), self._stop_matched)
 
     def flush(self) -> str:
-        """Generation ended for another reason: releases all held-back text (once; later calls give "")."""
+        """Generation ended for another reason: releases all held-back text, a trailing incomplete
+        character as the tokenizer decodes it (a stop string in it still cuts it). Later calls give ""."""
         if self._finished:
             return ""
         self._finished = True
@@ -138,10 +139,10 @@ class IncrementalDetokenizer:
     def _context(self, prompt_ids: list[int]) -> list[int]:
         """The prompt's last tokens, starting and ending on whole characters (else fewer, or none)."""
         context = prompt_ids[-_CONTEXT_TOKENS:]
-        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
-            return []  # the prompt ends inside a character: the output is decoded on its own
         while context and self._decode(context).startswith(REPLACEMENT_CHAR):
             context = context[1:]
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            return []  # the prompt ends inside a character: the output is decoded on its own
         return context
 
     def _window_prefix_text(self) -> str:

@@ -200,9 +200,8 @@ def _apply_min_p(
     if not any(m > 0.0 for m in min_p):
         return logits
     probs = logits.softmax(dim=-1)
-    threshold = torch.tensor(min_p, dtype=probs.dtype, device=logits.device).unsqueeze(1) * probs.amax(
-        dim=-1, keepdim=True
-    )  # [num_rows, 1]
+    min_p_t = torch.tensor(min_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)  # [num_rows, 1]
+    threshold = min_p_t * probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 

@@ -334,6 +334,14 @@ def test_logprobs_are_raw_sorted_and_rank_the_sampled_token() -> None:
     assert third.rank == third.token_id + 1
 
 
+def test_rank_counts_only_strictly_more_likely_tokens() -> None:
+    raw = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # [2, 3]: tokens 0 and 1 tie
+    rows = [row(temperature=0.0, logprobs=1), row(temperature=0.0, output=[0], presence_penalty=1.0, logprobs=1)]
+    out = Sampler()(raw, rows)
+    assert out.token_ids == [0, 1]
+    assert [lp.rank for lp in out.logprobs if lp is not None] == [1, 1]
+
+
 # ------------------------------------------------------------------------ errors, edges
 
 
@@ -426,7 +434,8 @@ def reference(
 def draw(params: SamplingParams, logits: Sequence[float] = LOGITS10, **row_kw: Any) -> np.ndarray:  # [vocab] counts
     gen = new_generator(params.seed if params.seed is not None else 0)
     batch = torch.tensor([list(logits)] * N)  # [N, vocab]
-    rows = [SamplingRow(params, gen, **row_kw) for _ in range(N)]
+    kw = {"prompt_token_ids": (), "output_token_ids": (), **row_kw}
+    rows = [SamplingRow(params, gen, **kw) for _ in range(N)]
     tokens = Sampler()(batch, rows).token_ids
     return np.bincount(tokens, minlength=len(logits))
 
@@ -495,11 +504,12 @@ def test_sampled_distribution_matches_for_a_combination_with_penalties() -> None
     ("sampled", "wrong"),
     [
         (SamplingParams(temperature=1.0, seed=21), reference(LOGITS10, 0.7)),  # temperature ignored
-        (SamplingParams(temperature=1.3, top_k=4, seed=22), reference(LOGITS10, 1.0, top_k=4)),  # subtler
-        (SamplingParams(top_p=0.8, seed=23), reference(LOGITS10, top_p=0.7)),  # one token short
+        (SamplingParams(temperature=1.3, top_k=4, seed=22), reference(LOGITS10, 1.0, top_k=4)),
+        (SamplingParams(temperature=1.0, seed=24), reference(LOGITS10, 1.1)),  # same support, 10% off (p ~ 1e-19)
+        (SamplingParams(top_p=0.8, seed=23), reference(LOGITS10, top_p=0.7)),  # draws a token the other excludes
     ],
-    ids=["T1.0-vs-T0.7", "T1.3k4-vs-T1.0k4", "p0.8-vs-p0.7"],
+    ids=["T1.0-vs-T0.7", "T1.3k4-vs-T1.0k4", "T1.0-vs-T1.1", "p0.8-vs-p0.7"],
 )
 def test_chi_square_rejects_a_wrong_distribution(sampled: SamplingParams, wrong: np.ndarray) -> None:
-    """The statistical test has power: samples checked against the wrong distribution fail it."""
+    """The statistical test has power: samples checked against a wrong distribution fail it."""
     assert chi_square_p(draw(sampled), wrong) < ALPHA
