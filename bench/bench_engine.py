@@ -32,7 +32,9 @@ from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E4
 def _hf_model():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(default_model_path("target"), dtype=torch.float32, local_files_only=True).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        default_model_path("target"), dtype=torch.float32, local_files_only=True
+    ).eval()
 
 
 def bench_single(llm: LLM, hf, repeats: int = 3) -> dict:

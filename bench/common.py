@@ -70,7 +70,11 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def write_section(name: str, body: str) -> None:
     """Replace (or append) the section ``name`` of docs/benchmarks.md."""
     DOC.parent.mkdir(exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure is a ratio against a reference measured in the same run on the same machine.\n"
+    text = (
+        DOC.read_text()
+        if DOC.exists()
+        else "# Benchmarks\n\nEvery figure is a ratio against a reference measured in the same run on the same machine.\n"
+    )
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     block = f"{begin}\n{body.strip()}\n{end}"
     if begin in text:

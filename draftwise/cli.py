@@ -1,6 +1,6 @@
 """The ``draftwise`` command.
 
-    draftwise generate "def fibonacci(n):"     # greedy, in-process, embedded default model
+draftwise generate "def fibonacci(n):"     # greedy, in-process, embedded default model
 """
 
 from __future__ import annotations

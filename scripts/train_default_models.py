@@ -45,7 +45,9 @@ class Shape:
     num_key_value_heads: int
 
 
-TARGET = Shape(hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4)
+TARGET = Shape(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4
+)
 DRAFT = Shape(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4)
 
 
@@ -96,7 +98,9 @@ def train_tokenizer(files: list[Path]):
                 yield t
 
     tok.train_from_iterator(texts(), trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     return tok
 
 
@@ -201,14 +205,18 @@ def train(model, stream, val_stream, *, steps, batch, seq, peak_lr, teacher=None
         opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == steps - 1:
             el = time.time() - t0
-            log(f"step {step}/{steps} loss {loss.item():.3f} ce {ce.item():.3f} tok/s {(step + 1) * batch * seq / el:.0f} elapsed {el / 60:.1f} min")
+            log(
+                f"step {step}/{steps} loss {loss.item():.3f} ce {ce.item():.3f} tok/s {(step + 1) * batch * seq / el:.0f} elapsed {el / 60:.1f} min"
+            )
         if step > 0 and step % 500 == 0:
             log(f"  val ce {evaluate(model, val_stream, seq):.3f}")
     return time.time() - t0
 
 
 @torch.no_grad()
-def greedy_acceptance(target, draft, tok, heldout: list[Path], n_prompts: int = 24, prompt_len: int = 64, gen_len: int = 128) -> dict:
+def greedy_acceptance(
+    target, draft, tok, heldout: list[Path], n_prompts: int = 24, prompt_len: int = 64, gen_len: int = 128
+) -> dict:
     """Per-token greedy acceptance: over the target's own greedy continuations of
     held-out code, how often the draft's argmax equals the target's argmax given the
     same prefix. Also the mean accepted length for k=4 speculation."""
@@ -332,7 +340,9 @@ def main() -> None:
         torch.save(streams, stream_path)
     train_stream, val_stream = streams["train"], streams["val"]
     chars = sum(len(read_text(f) or "") for f in train_files)
-    log(f"train tokens {train_stream.numel():,} ({chars / train_stream.numel():.2f} chars/token), val tokens {val_stream.numel():,}")
+    log(
+        f"train tokens {train_stream.numel():,} ({chars / train_stream.numel():.2f} chars/token), val tokens {val_stream.numel():,}"
+    )
 
     stats: dict = {
         "python": platform.python_version(),
@@ -357,7 +367,9 @@ def main() -> None:
         target = make_model(TARGET)
         stats["target_params"] = sum(p.numel() for p in target.parameters())
         log(f"target: {stats['target_params'] / 1e6:.2f}M params")
-        secs = train(target, train_stream, val_stream, steps=args.target_steps, batch=args.batch, seq=args.seq, peak_lr=2e-3)
+        secs = train(
+            target, train_stream, val_stream, steps=args.target_steps, batch=args.batch, seq=args.seq, peak_lr=2e-3
+        )
         stats["target_steps"] = args.target_steps
         stats["target_train_minutes"] = secs / 60
         stats["target_val_loss"] = evaluate(target, val_stream, args.seq)
@@ -377,7 +389,17 @@ def main() -> None:
         target.eval()
         for p in target.parameters():
             p.requires_grad_(False)
-        secs = train(draft, train_stream, val_stream, steps=args.draft_steps, batch=args.batch, seq=args.seq, peak_lr=2e-3, teacher=target, seed=1)
+        secs = train(
+            draft,
+            train_stream,
+            val_stream,
+            steps=args.draft_steps,
+            batch=args.batch,
+            seq=args.seq,
+            peak_lr=2e-3,
+            teacher=target,
+            seed=1,
+        )
         stats["draft_steps"] = args.draft_steps
         stats["draft_train_minutes"] = secs / 60
         stats["draft_val_loss"] = evaluate(draft, val_stream, args.seq)
@@ -392,7 +414,9 @@ def main() -> None:
     stats["target_decode_step_ms_hf"] = decode_step_ms(target)
     stats["draft_decode_step_ms_hf"] = decode_step_ms(draft)
     stats["total_minutes"] = (time.time() - t_start) / 60
-    log(f"decode step (HF eager, batch 1): target {stats['target_decode_step_ms_hf']:.2f} ms, draft {stats['draft_decode_step_ms_hf']:.2f} ms")
+    log(
+        f"decode step (HF eager, batch 1): target {stats['target_decode_step_ms_hf']:.2f} ms, draft {stats['draft_decode_step_ms_hf']:.2f} ms"
+    )
     stats_path.write_text(json.dumps(stats, indent=1))
     (out / "training_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     log("done")

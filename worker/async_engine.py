@@ -38,7 +38,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called on the engine thread after every step (metrics, load reports)
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()

@@ -20,7 +20,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # tokens in one step; None: 2048 (chunked) or max_model_len
     enable_chunked_prefill: bool = True  # split long prompts across steps
     max_model_len: int | None = None  # context length; None: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None  # KV budget in bytes (CPU default 1 GiB; on CUDA overrides gpu_memory_utilization)
+    kv_cache_memory_bytes: int | None = (
+        None  # KV budget in bytes (CPU default 1 GiB; on CUDA overrides gpu_memory_utilization)
+    )
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
     num_kv_blocks: int | None = None  # exact KV block count, overriding both budgets (tests, tuning)
     seed: int = 0  # seeds the RNG of requests that bring no seed of their own

@@ -1,9 +1,9 @@
 """The engine: requests in, one batched forward pass per ``step()``, token deltas out.
 
-    engine = LLMEngine(EngineConfig())
-    engine.add_request("a", "def fibonacci(n):", SamplingParams(max_tokens=32))
-    while engine.has_unfinished_requests():
-        out = engine.step()   # StepOutput: deltas, finished, stats
+engine = LLMEngine(EngineConfig())
+engine.add_request("a", "def fibonacci(n):", SamplingParams(max_tokens=32))
+while engine.has_unfinished_requests():
+    out = engine.step()   # StepOutput: deltas, finished, stats
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
         n = min(max_batched, self.max_model_len)
-        probe = KVCache(self.loaded.config, -(-n // self.config.block_size), self.config.block_size, self.loaded.dtype, dev)
+        probe = KVCache(
+            self.loaded.config, -(-n // self.config.block_size), self.config.block_size, self.loaded.dtype, dev
+        )
         ModelRunner(self.loaded, probe).run([SequenceChunk([0] * n, 0, list(range(probe.num_blocks)))])
         torch.cuda.synchronize(dev)
         activations = torch.cuda.max_memory_allocated(dev) - before - probe.num_bytes
@@ -132,7 +134,9 @@ class LLMEngine:
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(dev)
         budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - activations
-        log.info("cuda memory profile", total_mib=total >> 20, activations_mib=activations >> 20, kv_budget_mib=budget >> 20)
+        log.info(
+            "cuda memory profile", total_mib=total >> 20, activations_mib=activations >> 20, kv_budget_mib=budget >> 20
+        )
         return budget
 
     # ------------------------------------------------------------------ requests
@@ -256,7 +260,9 @@ class LLMEngine:
         )
         return StepOutput(deltas=deltas, finished=finished, stats=stats)
 
-    def _execute(self, scheduled: list[ScheduledRequest], deltas: list[RequestDelta], finished: list[RequestOutput]) -> None:
+    def _execute(
+        self, scheduled: list[ScheduledRequest], deltas: list[RequestDelta], finished: list[RequestOutput]
+    ) -> None:
         now = time.monotonic()
         chunks = []
         for s in scheduled:
@@ -265,7 +271,9 @@ class LLMEngine:
                 r.first_scheduled_time = now
             start = r.num_computed_tokens
             chunks.append(
-                SequenceChunk(r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0)
+                SequenceChunk(
+                    r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
+                )
             )
         sampling = [s.request for s in scheduled if s.samples]
         logits = self.runner.run(chunks)  # [len(sampling), vocab]

@@ -23,7 +23,9 @@ def greedy_tokens(
         raise ValueError("prompt must contain at least one token")
     total = len(prompt_ids) + max_new_tokens
     if total > loaded.config.max_position_embeddings:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the context of {loaded.config.max_position_embeddings}")
+        raise ValueError(
+            f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the context of {loaded.config.max_position_embeddings}"
+        )
     num_blocks = -(-total // block_size)
     runner = ModelRunner(loaded, KVCache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device))
     table = list(range(num_blocks))

@@ -1,9 +1,9 @@
 """The offline API, in vLLM's shape:
 
-    from draftwise.worker import LLM, SamplingParams
-    llm = LLM()                                   # the embedded default model
-    outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))
-    print(outs[0].outputs[0].text)
+from draftwise.worker import LLM, SamplingParams
+llm = LLM()                                   # the embedded default model
+outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))
+print(outs[0].outputs[0].text)
 """
 
 from __future__ import annotations

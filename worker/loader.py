@@ -82,7 +82,10 @@ def _weight_files(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
 
 def _checkpoint_names(cfg: ModelConfig) -> dict[str, list[str]]:
     """Our parameter name -> the checkpoint tensors it is made of (concatenated on dim 0)."""
-    names: dict[str, list[str]] = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    names: dict[str, list[str]] = {
+        "embed_tokens.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = ["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
@@ -147,7 +150,9 @@ def load_model(
         param = params[name]
         if tuple(got.shape) != tuple(param.shape):
             shapes = ", ".join(f"{s} {tuple(pending[s][1].shape)} in {pending[s][0].name}" for s in srcs)
-            raise ModelLoadError(f"{folder}: wrong shape for {shapes}; config.json implies {_expected(param.shape, srcs)}")
+            raise ModelLoadError(
+                f"{folder}: wrong shape for {shapes}; config.json implies {_expected(param.shape, srcs)}"
+            )
         with torch.no_grad():
             param.copy_(got)
         done.add(name)
@@ -174,7 +179,9 @@ def load_model(
         device=str(device),
         params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
     )
-    return LoadedModel(model=model, config=cfg, folder=folder, dtype=torch_dtype, device=device, weight_bytes=weight_bytes)
+    return LoadedModel(
+        model=model, config=cfg, folder=folder, dtype=torch_dtype, device=device, weight_bytes=weight_bytes
+    )
 
 
 def _expected(shape: torch.Size, srcs: list[str]) -> str:

@@ -74,7 +74,9 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from None
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ModelLoadError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ModelLoadError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

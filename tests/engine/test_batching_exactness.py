@@ -27,7 +27,9 @@ def _requests(n: int, seed: int, vocab: int) -> list[tuple[str, list[int], Sampl
 
 
 def run_alone(reqs) -> dict[str, list[int]]:
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, skip_tokenizer_init=True))
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, skip_tokenizer_init=True)
+    )
     out = {}
     for rid, prompt, params, _ in reqs:
         engine.add_request(rid, prompt, params)

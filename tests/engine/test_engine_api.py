@@ -48,7 +48,9 @@ def test_stop_string_excluded_and_finish_reason(llm):
     full = llm.generate("def fibonacci(n):", GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full[5:9]
     assert stop.strip(), full
-    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[
+        0
+    ]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == full[: full.index(stop)]
@@ -58,7 +60,9 @@ def test_stop_token_ids_and_eos(llm):
     tok = llm.get_tokenizer()
     full = llm.generate("def fibonacci(n):", GREEDY, use_tqdm=False)[0].outputs[0]
     target = full.token_ids[3]
-    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target]), use_tqdm=False)
+    out = llm.generate(
+        "def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target]), use_tqdm=False
+    )
     c = out[0].outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == target
     assert c.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
@@ -69,7 +73,9 @@ def test_min_tokens_suppresses_eos(llm):
     # a prompt that ends a file: the model wants EOS soon
     prompts = ["x = 1\n"] * 4
     free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
-    forced = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, min_tokens=len(free.token_ids) + 5), use_tqdm=False)
+    forced = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=200, min_tokens=len(free.token_ids) + 5), use_tqdm=False
+    )
     c = forced[0].outputs[0]
     assert len(c.token_ids) >= len(free.token_ids) + 5
     if free.finish_reason == "stop":
@@ -105,7 +111,14 @@ def test_bad_request_raises_and_disturbs_nothing(llm, prompt, params, match):
 
 
 def test_invalid_sampling_params_raise_value_error():
-    for kwargs in [dict(temperature=-1), dict(top_p=0), dict(top_k=-5), dict(max_tokens=0), dict(n=2), dict(logprobs=99)]:
+    for kwargs in [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-5),
+        dict(max_tokens=0),
+        dict(n=2),
+        dict(logprobs=99),
+    ]:
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             SamplingParams(**kwargs)
 
@@ -143,7 +156,9 @@ def test_abort_frees_blocks_at_once(llm):
 
 
 def test_logprobs(llm):
-    out = llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "def f(x):", SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0]
     lps = out.outputs[0].logprobs
     assert len(lps) == 5
     for tok, lp in zip(out.outputs[0].token_ids, lps, strict=True):
@@ -155,7 +170,11 @@ def test_seeded_sampling_independent_of_batch(llm):
     p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
     alone = llm.generate("import sys\n", p, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)] * 5
-    batch = llm.generate(["def a():", "x = [", "import sys\n", "class B:", "# c", "for i in"], [*others[:2], p, *others[2:]], use_tqdm=False)
+    batch = llm.generate(
+        ["def a():", "x = [", "import sys\n", "class B:", "# c", "for i in"],
+        [*others[:2], p, *others[2:]],
+        use_tqdm=False,
+    )
     assert batch[2].outputs[0].token_ids == alone
     again = llm.generate(["import sys\n"] * 3, [others[0], p, others[1]], use_tqdm=False)
     assert again[1].outputs[0].token_ids == alone
@@ -198,7 +217,9 @@ def test_async_stream_and_cancel(llm):
             text.append(d.text)
         # cancel mid-stream: leave the loop early
         n = 0
-        async for _ in aengine.generate("s2", "def fibonacci(n):", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)):
+        async for _ in aengine.generate(
+            "s2", "def fibonacci(n):", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        ):
             n += 1
             if n == 3:
                 break

@@ -52,7 +52,10 @@ CASES: dict[str, tuple[str, dict]] = {
         "mistral",
         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=12),
     ),
-    "mistral-mha-tied": ("mistral", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, sliding_window=None)),
+    "mistral-mha-tied": (
+        "mistral",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, sliding_window=None),
+    ),
 }
 
 
@@ -85,7 +88,9 @@ def make_checkpoint(case: str, folder: Path, seed: int = 0):
     return model
 
 
-def shuffled_tables(lengths: list[int], block_size: int, rng: random.Random, spare: int = 7) -> tuple[list[list[int]], int]:
+def shuffled_tables(
+    lengths: list[int], block_size: int, rng: random.Random, spare: int = 7
+) -> tuple[list[list[int]], int]:
     """Block tables for sequences of the given final lengths, drawn from a shuffled pool so
     that no table is contiguous. Returns (tables, pool size)."""
     need = [-(-n // block_size) for n in lengths]

@@ -19,7 +19,14 @@ from draftwise.worker.loader import load_model
 from draftwise.worker.tokenizer import load_tokenizer
 from tests.model.hf_utils import compare_prefill_then_decode
 
-FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"]
+FILES = [
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "README.md",
+]
 WHICH = ["target", "draft"]
 
 
@@ -27,7 +34,12 @@ WHICH = ["target", "draft"]
 def hf_models():
     from transformers import AutoModelForCausalLM
 
-    return {w: AutoModelForCausalLM.from_pretrained(default_model_path(w), dtype=torch.float32, local_files_only=True).eval() for w in WHICH}
+    return {
+        w: AutoModelForCausalLM.from_pretrained(
+            default_model_path(w), dtype=torch.float32, local_files_only=True
+        ).eval()
+        for w in WHICH
+    }
 
 
 @pytest.mark.parametrize("which", WHICH)
@@ -86,7 +98,9 @@ def _heldout_prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
 def test_shipped_models_match_hf(hf_models, which, block_size):
     tok = load_tokenizer(default_model_path(which))
     prompts = _heldout_prompts(tok, n=5, length=80, seed=block_size)
-    worst = compare_prefill_then_decode(default_model_path(which), hf_models[which], prompts, block_size, decode_steps=20)
+    worst = compare_prefill_then_decode(
+        default_model_path(which), hf_models[which], prompts, block_size, decode_steps=20
+    )
     assert worst < 1e-4, f"{which} block_size={block_size}: max |ours - HF| = {worst:.3g}"
 
 
@@ -97,7 +111,9 @@ def test_fibonacci_greedy_matches_hf_and_reads_as_python(hf_models):
     ids = tok.encode(prompt)
     loaded = load_model(folder, dtype="float32")
     ours = list(greedy_tokens(loaded, ids, 48))
-    hf = hf_models["target"].generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf = hf_models["target"].generate(
+        torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert ours == hf[0, len(ids) :].tolist()
     text = prompt + tok.decode(ours)
     # the function: the prompt line and its indented body, up to the first line back at column 0

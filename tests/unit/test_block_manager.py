@@ -52,7 +52,7 @@ def test_grow_shrink_free_random(block_size):
     bm = BlockManager(40, block_size)
     tables: dict[int, list[int]] = {}
     lengths: dict[int, int] = {}
-    for step in range(2000):
+    for _ in range(2000):
         op = rng.random()
         if op < 0.5:
             i = rng.randrange(10)

@@ -38,14 +38,25 @@ def test_wheel_contents(wheel):
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"draftwise"}, top
     for which in ["target", "draft"]:
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"]:
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "README.md",
+        ]:
             assert f"draftwise/worker/default_models/{which}/{f}" in names
     assert "draftwise/kernels/reference.py" in names and "draftwise/cli.py" in names
 
 
 def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        timeout=300,
+    )
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}

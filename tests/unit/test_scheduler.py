@@ -10,7 +10,9 @@ from draftwise.worker.scheduler import Scheduler, SchedulerConfig
 
 
 def _req(rid: str, prompt_len: int) -> Request:
-    return Request(request_id=rid, prompt=None, prompt_token_ids=[1] * prompt_len, sampling_params=SamplingParams(), max_tokens=100)
+    return Request(
+        request_id=rid, prompt=None, prompt_token_ids=[1] * prompt_len, sampling_params=SamplingParams(), max_tokens=100
+    )
 
 
 def _advance(sched: Scheduler, out, sampled: int = 7) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
 from draftwise.worker.model_config import ModelConfig
-from draftwise.worker.models.rope import RotaryEmbedding
+from draftwise.worker.models.rope import RotaryEmbedding, apply_rope
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -54,19 +54,19 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # RoPE tables at the tokens' positions, [T, 1, D] each
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -95,15 +95,14 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         residual: torch.Tensor | None,  # [T, hidden]
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, k_cache, v_cache, meta, backend)
+        h = self.self_attn(h, cos_sin, k_cache, v_cache, meta, backend)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -115,7 +114,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -148,9 +149,10 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual = None
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rope, kc, vc, meta, backend)
+            x, residual = layer(x, residual, cos_sin, kc, vc, meta, backend)
         x, _ = self.norm(x, residual)
         return x
 

@@ -42,17 +42,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T] int64
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at ``positions`` ([T]), as [T, 1, D] in ``dtype``: computed once per forward."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ([T, heads, D]; queries and keys may come together) by cos/sin ([T, 1, D])."""
     h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    rotated = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return x * cos + rotated * sin
