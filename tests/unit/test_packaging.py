@@ -20,7 +20,7 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ["pyproject.toml", "README.md"]:
         shutil.copy(ROOT / name, src / name)
-    for name in ["draftwise", "worker", "kernels", "gateway"]:
+    for name in ["draftwise", "worker", "kernels", "gateway", "proto"]:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
@@ -48,6 +48,8 @@ def test_wheel_contents(wheel):
         ]:
             assert f"draftwise/worker/default_models/{which}/{f}" in names
     assert "draftwise/kernels/reference.py" in names and "draftwise/cli.py" in names
+    for proto in ["generation", "generate_service", "worker_service"]:
+        assert f"draftwise/v1/{proto}_pb2.py" in names and f"draftwise/v1/{proto}.proto" in names
 
 
 def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
