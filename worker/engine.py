@@ -8,6 +8,7 @@ while engine.has_unfinished_requests():
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -218,6 +219,7 @@ class LLMEngine:
         self.scheduler.remove(req)
         text = req.detokenizer.output_text if req.detokenizer else ""
         self._finish(req, FinishReason.ABORT)
+        final = RequestOutput.of(req, text)
         delta = RequestDelta(
             request_id=request_id,
             token_ids=[],
@@ -226,8 +228,9 @@ class LLMEngine:
             logprobs=None,
             finished=True,
             finish_reason=FinishReason.ABORT.value,
+            final=final,
         )
-        self._pending.append((delta, RequestOutput.of(req, text)))
+        self._pending.append((delta, final))
         log.info("request aborted", request_id=request_id, output_tokens=len(req.output_token_ids))
         return True
 
@@ -294,9 +297,11 @@ class LLMEngine:
         out = self.sampler(logits, rows)
         for r, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
             delta = self._append(r, [tok], [lp])
-            deltas.append(delta)
             if delta.finished:
-                finished.append(RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else ""))
+                final = RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else "")
+                delta = dataclasses.replace(delta, final=final)
+                finished.append(final)
+            deltas.append(delta)
 
     def _append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> RequestDelta:
         """Add sampled tokens to ``req`` one at a time, stopping at the first finish condition."""

@@ -96,6 +96,7 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    final: RequestOutput | None = None  # on the finishing delta: the whole output, with usage and timings
 
 
 @dataclass(frozen=True)

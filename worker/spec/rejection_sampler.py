@@ -145,7 +145,7 @@ def rejection_sample(
         greedy_pos = [draft_start[i] + j for i in range(num_reqs) if greedy[i] for j in range(ks[i])]
         if greedy_pos:  # greedy rows: accept iff the draft is the argmax
             gp = torch.tensor(greedy_pos, dtype=torch.int64, device=device)  # [num_greedy_pos]
-            accept[gp] = flat_ids[gp] >= 0
+            accept[gp] = flat_ids[gp] == target_probs[t_rows[gp]].argmax(dim=-1)
         # Scatter into [num_reqs, max_k] (padding counts as rejected); accepted = length of the
         # leading run of accepts.
         req_of_pos = torch.tensor([i for i in range(num_reqs) for _ in range(ks[i])], dtype=torch.int64, device=device)

@@ -1,0 +1,89 @@
+"""Between the gRPC messages of ``draftwise.v1`` and the engine's own types."""
+
+from __future__ import annotations
+
+from draftwise.v1 import generation_pb2 as pb
+from draftwise.worker.outputs import RequestDelta
+from draftwise.worker.sampler import TokenLogprobs
+from draftwise.worker.sampling_params import SamplingParams
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields take vLLM's defaults. ValueError (naming the field) when invalid."""
+    kw: dict = {
+        "top_k": msg.top_k,
+        "min_p": msg.min_p,
+        "min_tokens": msg.min_tokens,
+        "stop": tuple(msg.stop),
+        "stop_token_ids": tuple(msg.stop_token_ids),
+        "ignore_eos": msg.ignore_eos,
+        "presence_penalty": msg.presence_penalty,
+        "frequency_penalty": msg.frequency_penalty,
+        "include_stop_str_in_output": msg.include_stop_str_in_output,
+    }
+    for name in ("temperature", "top_p", "max_tokens", "seed", "repetition_penalty", "logprobs", "skip_special_tokens"):
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    return SamplingParams(**kw)
+
+
+def prompt_from_proto(msg: pb.Prompt) -> str | list[int]:
+    kind = msg.WhichOneof("kind")
+    if kind == "text":
+        return msg.text
+    if kind == "token_ids":
+        return list(msg.token_ids.ids)
+    raise ValueError("prompt is empty: set prompt.text or prompt.token_ids")
+
+
+def _logprob(lp: TokenLogprobs | None) -> pb.TokenLogprob:
+    if lp is None:
+        return pb.TokenLogprob()
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def events_from_delta(d: RequestDelta) -> list[pb.GenerationEvent]:
+    """A delta event (when it carries tokens or text), then a finished event when it ends."""
+    events = []
+    if d.token_ids or d.text:
+        events.append(
+            pb.GenerationEvent(
+                request_id=d.request_id,
+                delta=pb.TokenDelta(
+                    token_ids=d.token_ids,
+                    text=d.text,
+                    first_token_index=d.first_token_index,
+                    logprobs=[_logprob(lp) for lp in d.logprobs] if d.logprobs else [],
+                ),
+            )
+        )
+    if d.finished:
+        events.append(pb.GenerationEvent(request_id=d.request_id, finished=finished_from_delta(d)))
+    return events
+
+
+def finished_from_delta(d: RequestDelta) -> pb.Finished:
+    msg = pb.Finished(finish_reason=_FINISH.get(d.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED))
+    if isinstance(d.stop_reason, str):
+        msg.stop_str = d.stop_reason
+    elif isinstance(d.stop_reason, int):
+        msg.stop_token_id = d.stop_reason
+    out = d.final
+    if out is not None:
+        msg.usage.prompt_tokens = len(out.prompt_token_ids)
+        msg.usage.completion_tokens = len(out.outputs[0].token_ids)
+        m = out.metrics
+        if m.queue_time is not None:
+            msg.timings.queue_ms = m.queue_time * 1000
+        if m.time_to_first_token is not None:
+            msg.timings.time_to_first_token_ms = m.time_to_first_token * 1000
+        if m.total_time is not None:
+            msg.timings.total_ms = m.total_time * 1000
+    return msg
