@@ -76,7 +76,7 @@ class NgramProposer:
             m = 1
             while m < cap and rev[j + m] == rev[m]:
                 m += 1
-            if best_len < lo and m > best_len:  # strictly longer only: among equal lengths the most recent stays
+            if m > best_len:  # strictly longer only: among equal lengths the most recent stays
                 best_len, best_end = m, n - 1 - j
                 if m == hi:
                     break

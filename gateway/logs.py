@@ -1,0 +1,36 @@
+"""structlog setup shared by the gateway and ``draftwise serve``: JSON lines in production,
+a console renderer in a terminal. Every line about a request carries its ``request_id``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["auto", "json", "console"]
+
+
+def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
+    """Route structlog to stderr as JSON (or console text when ``fmt`` is "console", or
+    "auto" on a terminal), dropping lines below ``level``."""
+    numeric = logging.getLevelNamesMapping().get(level.upper())
+    if numeric is None:
+        raise ValueError(f"unknown log level {level!r}: debug, info, warning or error")
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: structlog.typing.Processor = (
+        structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,106 @@
+"""Prometheus metrics of the gateway, on their own registry, served over HTTP by
+``prometheus_client.start_http_server`` (a thread; nothing here touches the event loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from draftwise.v1 import generation_pb2 as pb
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_RATIO_BUCKETS = tuple(i / 10 for i in range(11))
+
+
+@dataclass
+class GatewayMetrics:
+    """Every metric of one gateway (a fresh registry each, so tests can run several)."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "draftwise_time_to_first_token_seconds",
+            "Gateway receipt of a request to its first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "draftwise_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request, at the gateway",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "draftwise_e2e_request_latency_seconds",
+            "Gateway receipt of a request to its final event",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "draftwise_request_queue_time_seconds",
+            "Time a request waited in its worker's queue before first scheduled",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "draftwise_requests",
+            "Finished requests by final status: stop, length, abort, or the gRPC error code",
+            ["status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("draftwise_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("draftwise_generation_tokens", "Output tokens relayed", registry=r)
+        self.spec_proposed = Counter(
+            "draftwise_spec_decode_proposed_tokens", "Draft tokens proposed (speculative decoding)", registry=r
+        )
+        self.spec_accepted = Counter(
+            "draftwise_spec_decode_accepted_tokens", "Draft tokens accepted by the target", registry=r
+        )
+        self.acceptance_rate = Histogram(
+            "draftwise_spec_decode_acceptance_rate",
+            "Per-request speculative acceptance rate (requests that speculated)",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge("draftwise_requests_in_flight", "Requests in flight at the gateway", registry=r)
+        self.streams_open = Gauge("draftwise_streams_open", "Client Generate streams open", registry=r)
+        self.coalesced = Counter(
+            "draftwise_coalesced_deltas", "Deltas merged while a slow reader's queue was behind", registry=r
+        )
+        self.kv_usage = Gauge(
+            "draftwise_worker_kv_cache_usage_ratio", "Share of a worker's KV blocks in use", ["worker"], registry=r
+        )
+        self.worker_running = Gauge(
+            "draftwise_worker_requests_running", "Requests in a worker's running batch", ["worker"], registry=r
+        )
+        self.worker_waiting = Gauge(
+            "draftwise_worker_requests_waiting", "Requests queued at a worker", ["worker"], registry=r
+        )
+        self.worker_tokens_per_second = Gauge(
+            "draftwise_worker_tokens_per_second", "A worker's output tokens per second", ["worker"], registry=r
+        )
+        self.worker_healthy = Gauge(
+            "draftwise_worker_healthy", "1 when the worker answers and accepts requests", ["worker"], registry=r
+        )
+
+    def observe_finished(self, finished: pb.Finished) -> None:
+        """Usage, queue time and speculation counters of a request's Finished event."""
+        usage = finished.usage
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        if finished.timings.queue_ms > 0:
+            self.queue_time.observe(finished.timings.queue_ms / 1000)
+        proposed = usage.speculative_proposed_tokens
+        if proposed:
+            self.spec_proposed.inc(proposed)
+            self.spec_accepted.inc(usage.speculative_accepted_tokens)
+            self.acceptance_rate.observe(usage.speculative_accepted_tokens / proposed)
+
+    def serve(self, host: str, port: int) -> WSGIServer:
+        """Start the /metrics endpoint (a daemon thread); the server's ``server_port`` is the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server

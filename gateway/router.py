@@ -1,0 +1,182 @@
+"""Workers and routing: each worker's ``GetLoad`` is polled periodically; a request goes to
+the least-loaded healthy worker serving its model, counting the gateway's own in-flight
+requests first (they change at once, polls lag) and the worker's queue and KV use next."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.v1 import generate_service_pb2 as gspb
+from draftwise.v1 import worker_service_pb2 as wpb
+
+log = structlog.get_logger("draftwise.gateway.router")
+
+MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
+"""Trailing metadata of the worker's GetLoad: the context length of its model."""
+
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),  # notice a restarted worker quickly
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),  # a silently vanished worker fails its calls
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker as the gateway sees it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    generate: grpc.aio.UnaryStreamMultiCallable  # WorkerService.Generate, events parsed as GenerateResponse
+    get_load: grpc.aio.UnaryUnaryMultiCallable
+    healthy: bool = False
+    model: str = ""
+    max_model_len: int = 0
+    load: wpb.GetLoadResponse = field(default_factory=wpb.GetLoadResponse)
+    in_flight: int = 0  # this gateway's requests on it
+    last_error: str = "not polled yet"
+    last_poll: float = 0.0
+
+    def score(self) -> tuple[int, int, float]:
+        """Lower is less loaded."""
+        total = self.load.num_total_kv_blocks or 1
+        return self.in_flight, self.load.num_requests_waiting, 1 - self.load.num_free_kv_blocks / total
+
+
+def _worker_handle(address: str) -> WorkerHandle:
+    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return WorkerHandle(
+        address=address,
+        channel=channel,
+        generate=channel.unary_stream(
+            "/draftwise.v1.WorkerService/Generate",
+            request_serializer=wpb.WorkerServiceGenerateRequest.SerializeToString,
+            # wire-identical to WorkerServiceGenerateResponse: no copy on the way to the client
+            response_deserializer=gspb.GenerateResponse.FromString,
+        ),
+        get_load=channel.unary_unary(
+            "/draftwise.v1.WorkerService/GetLoad",
+            request_serializer=wpb.GetLoadRequest.SerializeToString,
+            response_deserializer=wpb.GetLoadResponse.FromString,
+        ),
+    )
+
+
+class Router:
+    """The worker pool: polling, health, and picking a worker per request."""
+
+    def __init__(
+        self,
+        addresses: tuple[str, ...],
+        metrics: GatewayMetrics,
+        poll_interval_s: float = 0.5,
+        timeout_s: float = 1.0,
+        on_health_change: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.workers = [_worker_handle(a) for a in addresses]
+        self.metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = timeout_s
+        self.on_health_change = on_health_change
+        self._serving = False
+        self._task: asyncio.Task[None] | None = None
+        self._tiebreak = itertools.count()
+
+    async def start(self) -> None:
+        await self.poll_all()
+        self._task = asyncio.create_task(self._poll_loop(), name="draftwise-router-poll")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(w.channel.close() for w in self.workers), return_exceptions=True)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.poll_all()
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll(self, w: WorkerHandle) -> None:
+        try:
+            call = w.get_load(wpb.GetLoadRequest(), timeout=self.timeout_s)
+            load = await call
+            trailing = await call.trailing_metadata()
+        except grpc.aio.AioRpcError as e:
+            self._set_healthy(w, False, f"GetLoad failed: {e.code().name}: {e.details()}")
+            return
+        w.load = load
+        w.model = load.model
+        w.last_poll = time.monotonic()
+        for key, value in trailing or ():
+            if key == MAX_MODEL_LEN_KEY:
+                w.max_model_len = int(value)
+        total = load.num_total_kv_blocks or 1
+        m = self.metrics
+        m.kv_usage.labels(w.address).set(1 - load.num_free_kv_blocks / total)
+        m.worker_running.labels(w.address).set(load.num_requests_running)
+        m.worker_waiting.labels(w.address).set(load.num_requests_waiting)
+        m.worker_tokens_per_second.labels(w.address).set(load.tokens_per_second)
+        self._set_healthy(w, not load.draining, "draining" if load.draining else "")
+
+    def _set_healthy(self, w: WorkerHandle, healthy: bool, reason: str) -> None:
+        if healthy != w.healthy:
+            if healthy:
+                log.info("worker up", worker=w.address, model=w.model)
+            else:
+                log.warning("worker down", worker=w.address, reason=reason)
+        w.healthy = healthy
+        w.last_error = reason
+        self.metrics.worker_healthy.labels(w.address).set(1 if healthy else 0)
+        serving = any(x.healthy for x in self.workers)
+        if serving != self._serving:
+            self._serving = serving
+            if self.on_health_change is not None:
+                self.on_health_change(serving)
+
+    def report_failure(self, w: WorkerHandle, reason: str) -> None:
+        """A call to ``w`` failed as if it were gone: out of rotation until a poll answers."""
+        self._set_healthy(w, False, reason)
+
+    @property
+    def serving(self) -> bool:
+        """Whether some worker can take a request."""
+        return self._serving
+
+    def models(self) -> dict[str, int]:
+        """Models of the workers that answered at least once: {name: max_model_len}."""
+        out: dict[str, int] = {}
+        for w in self.workers:
+            if w.model:
+                out[w.model] = max(out.get(w.model, 0), w.max_model_len)
+        return out
+
+    def pick(self, model: str, exclude: frozenset[WorkerHandle] = frozenset()) -> WorkerHandle | None:
+        """The least-loaded healthy worker serving ``model``, or None."""
+        candidates = [w for w in self.workers if w.healthy and w.model == model and w not in exclude]
+        if not candidates:
+            return None
+        best = min(w.score() for w in candidates)
+        tied = [w for w in candidates if w.score() == best]
+        return tied[next(self._tiebreak) % len(tied)]
+
+    def describe(self) -> str:
+        """A one-line picture of the pool for error messages."""
+        up = sum(w.healthy for w in self.workers)
+        return f"{up} of {len(self.workers)} workers up"

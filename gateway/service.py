@@ -1,0 +1,109 @@
+"""``draftwise.v1.GenerateService``: the multiplexed ``Generate`` stream, the one-request
+``GenerateStream`` and ``ListModels``.
+
+The method handlers are registered by hand (not with the generated ``add_..._to_server``)
+so that the events a worker sends, parsed once as ``GenerateResponse``, go to the client
+as they are: ``GenerateResponse`` and ``GenerateStreamResponse`` are the same on the wire.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from draftwise.gateway.bidi import MultiplexedStream
+from draftwise.gateway.relay import Core, Relay, RequestError
+from draftwise.gateway.streams import Outbox
+from draftwise.gateway.validate import validate_start
+from draftwise.v1 import generate_service_pb2 as gspb
+
+SERVICE_NAME = "draftwise.v1.GenerateService"
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _serialize(message: gspb.GenerateResponse) -> bytes:
+    return message.SerializeToString()
+
+
+class GenerateServicer:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, requests: AsyncIterator[gspb.GenerateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gspb.GenerateResponse]:
+        async for resp in MultiplexedStream(self.core, context).run(requests):
+            yield resp
+
+    async def GenerateStream(  # noqa: N802
+        self, request: gspb.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gspb.GenerateResponse]:
+        core = self.core
+        start = request.start
+        rid = start.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        try:
+            if core.draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance")
+            model = validate_start(core, start)
+        except RequestError as e:
+            core.metrics.requests.labels(e.code.name.lower()).inc()
+            await context.abort(e.code, e.message)
+        if not core.admission.try_acquire():
+            core.metrics.requests.labels("resource_exhausted").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                core.admission.rejection(),
+                trailing_metadata=core.admission.trailing_metadata(),
+            )
+        outbox = Outbox(core.config.max_buffered_tokens)
+        relay = Relay(core, rid, start, model, outbox, context.time_remaining())
+        relay.start()
+        try:
+            while True:
+                resp = await outbox.get()
+                if resp is None:
+                    return
+                kind = resp.event.WhichOneof("kind")
+                if kind == "error":
+                    err = resp.event.error
+                    await context.abort(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message)
+                yield resp
+                if kind == "finished":
+                    return
+        finally:
+            relay.cancel()  # no-op once it ended; else the call went away: abort the request
+
+    async def ListModels(  # noqa: N802
+        self, request: gspb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gspb.ListModelsResponse:
+        models = self.core.router.models()
+        if not models:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no worker has reported its model yet ({self.core.router.describe()}); retry shortly",
+            )
+        return gspb.ListModelsResponse(
+            models=[gspb.ModelInfo(name=name, max_model_len=n) for name, n in sorted(models.items())],
+            default_model=self.core.default_model() or "",
+        )
+
+
+def add_generate_service(servicer: GenerateServicer, server: grpc.aio.Server) -> None:
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=gspb.GenerateRequest.FromString, response_serializer=_serialize
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream,
+            request_deserializer=gspb.GenerateStreamRequest.FromString,
+            response_serializer=_serialize,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=gspb.ListModelsRequest.FromString,
+            response_serializer=_serialize,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
