@@ -115,7 +115,7 @@ class Relay:
     def cancel(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, message: str = "") -> None:
         """End the request now: CANCELLED sends a finished ABORT event, another code an error
         event. The worker call is cancelled, which frees the request's KV blocks."""
-        if self._task is None or self._task.done() or self._cancel is not None:
+        if self._task is None or self._task.done() or self._cancel is not None or self.final_status is not None:
             return
         self._cancel = (code, message)
         self._task.cancel()

@@ -253,8 +253,11 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is None and not r.params.is_greedy:
                 raise ValueError(f"row {i} samples (temperature {r.params.temperature}) but has no generator")
-        probs = processed_probs(logits, rows)  # [num_rows, vocab]
-        token_ids = _sample(probs, rows)  # [num_rows]
+        if all(r.params.is_greedy for r in rows):  # fast path: no distribution to build
+            token_ids = apply_min_tokens(apply_penalties(logits.float(), rows), rows).argmax(dim=-1)
+        else:
+            probs = processed_probs(logits, rows)  # [num_rows, vocab]
+            token_ids = _sample(probs, rows)  # [num_rows]
         token_list = [int(t) for t in token_ids.tolist()]
         return SamplerOutput(token_ids=token_list, logprobs=_logprobs(logits, rows, token_ids))
 

@@ -52,6 +52,27 @@ def test_wheel_contents(wheel):
         assert f"draftwise/v1/{proto}_pb2.py" in names and f"draftwise/v1/{proto}.proto" in names
 
 
+def test_wheel_has_every_module(wheel):
+    """Packages are listed by hand in pyproject.toml: a subpackage left out would be missing."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    mapping = {
+        "draftwise": "draftwise",
+        "worker": "draftwise/worker",
+        "kernels": "draftwise/kernels",
+        "gateway": "draftwise/gateway",
+        "proto/draftwise/v1": "draftwise/v1",
+    }
+    missing = []
+    for folder, target in mapping.items():
+        for py in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" in py.parts:
+                continue
+            rel = py.relative_to(ROOT / folder).as_posix()
+            if f"{target}/{rel}" not in names:
+                missing.append(f"{folder}/{rel}")
+    assert not missing, f"not in the wheel: {missing}"
+
+
 def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(

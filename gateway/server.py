@@ -1,0 +1,154 @@
+"""The gateway server: grpc.aio (on uvloop when run as a program) serving GenerateService,
+gRPC health checking and server reflection, with optional API keys and TLS, and Prometheus
+metrics on their own HTTP port.
+
+    python -m draftwise.gateway --port 50051 --worker 127.0.0.1:50061 --worker 127.0.0.1:50062
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from draftwise.gateway.admission import Admission
+from draftwise.gateway.auth import ApiKeyInterceptor
+from draftwise.gateway.config import GatewayConfig
+from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.relay import Core
+from draftwise.gateway.router import Router
+from draftwise.gateway.service import SERVICE_NAME, GenerateServicer, add_generate_service
+
+log = structlog.get_logger("draftwise.gateway")
+
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+)
+
+
+class Gateway:
+    """One gateway: ``await start()``, serve, ``await stop()``."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        if not config.workers:
+            raise ValueError("the gateway needs at least one worker address")
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.health = health.aio.HealthServicer()
+        self.router = Router(
+            config.workers,
+            self.metrics,
+            poll_interval_s=config.load_poll_interval_s,
+            timeout_s=config.load_timeout_s,
+            on_health_change=self._on_health_change,
+        )
+        self.core = Core(
+            config=config,
+            router=self.router,
+            admission=Admission(config.max_in_flight, config.retry_after_ms),
+            metrics=self.metrics,
+            id_prefix=f"gw{uuid.uuid4().hex[:8]}",
+        )
+        interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._metrics_server = None
+        self._serving = asyncio.Event()
+        self._health_tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        cfg = self.config
+        add_generate_service(GenerateServicer(self.core), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert and cfg.tls_key:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address} (in use?)")
+        await self._set_health(False)
+        await self.router.start()
+        await self.server.start()
+        if cfg.metrics_port is not None:
+            self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            self.metrics_port = self._metrics_server.server_port
+        log.info(
+            "gateway listening",
+            address=f"{cfg.host}:{self.port}",
+            tls=bool(cfg.tls_cert),
+            auth=bool(cfg.api_keys),
+            workers=list(cfg.workers),
+            metrics_port=self.metrics_port,
+            serving=self.router.serving,
+        )
+
+    def _on_health_change(self, serving: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_health(serving))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, serving: bool) -> None:
+        serving = serving and not self.core.draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+        if serving:
+            self._serving.set()
+        else:
+            self._serving.clear()
+        log.info("health", status="SERVING" if serving else "NOT_SERVING")
+
+    async def wait_serving(self, timeout: float) -> bool:
+        """Whether some worker became healthy within ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._serving.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new requests, let in-flight ones finish for ``grace`` seconds (default: the
+        config's), end the rest with UNAVAILABLE, then close."""
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        core = self.core
+        core.draining = True
+        await self._set_health(False)
+        log.info("gateway stopping", in_flight=len(core.relays), streams=len(core.streams), grace_s=grace)
+        for stream in list(core.streams):
+            stream.shutdown()
+        deadline = time.monotonic() + grace
+        while core.relays and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for relay in list(core.relays):
+            relay.cancel(grpc.StatusCode.UNAVAILABLE, "the server shut down before the request finished; retry it")
+        # give the final events a moment to reach their clients, then end every call
+        await self.server.stop(1.0 if core.relays or core.streams else 0.2)
+        await self.router.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        log.info("gateway stopped")
+
+
+def write_ready_file(path: str | os.PathLike[str], port: int) -> None:
+    """Write ``port`` to ``path`` atomically (readers never see a partial file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
