@@ -1,12 +1,35 @@
 """The ``draftwise`` command.
 
-draftwise generate "def fibonacci(n):"     # greedy, in-process, embedded default model
+draftwise serve [--workers 2] [--port 50051] [--model FOLDER]   # gateway + workers on this machine
+draftwise generate "def fibonacci(n):"                           # greedy, in-process, embedded default model
+draftwise generate "def fibonacci(n):" --server 127.0.0.1:50051  # streamed from a running server
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+from pathlib import Path
+
+API_KEY_ENV = "DRAFTWISE_API_KEY"
+"""Environment variable holding the API key ``generate --server`` sends (unless --api-key)."""
+
+ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--model", str, "Hugging Face checkpoint folder (default: the embedded model)"),
+    ("--model-name", str, "name clients use for it (default: draftwise-target, or the folder's name)"),
+    ("--dtype", str, "float32 | bfloat16 | float16 | auto"),
+    ("--device", str, "cpu | cuda | cuda:N"),
+    ("--max-model-len", int, "context length (default: the model's)"),
+    ("--max-num-seqs", int, "requests in one engine step"),
+    ("--max-num-batched-tokens", int, "tokens in one engine step"),
+    ("--block-size", int, "tokens per KV block"),
+    ("--num-kv-blocks", int, "exact KV block count per worker"),
+    ("--kv-cache-memory-bytes", int, "KV budget in bytes per worker"),
+    ("--gpu-memory-utilization", float, "CUDA: share of device memory per worker"),
+)
+"""Worker flags ``draftwise serve`` accepts and passes on (only those given)."""
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -42,21 +65,151 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_serving(channel: object, timeout: float, metadata: list[tuple[str, str]]) -> str | None:
+    """Poll the server's health until SERVING; None then, else why not."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0, metadata=metadata).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return None
+            last = f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+        except grpc.RpcError as e:
+            last = f"{e.code().name}: {e.details()}"
+        if time.monotonic() >= deadline:
+            return last
+        time.sleep(0.25)
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from draftwise.v1 import generate_service_pb2 as gspb
+    from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+    from draftwise.v1 import generation_pb2 as pb
+
+    if args.tls_ca or args.tls:
+        roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(root_certificates=roots))
+    else:
+        channel = grpc.insecure_channel(args.server)
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    metadata = [("authorization", f"Bearer {key}")] if key else []
+    with channel:
+        if args.wait:
+            problem = _wait_serving(channel, args.wait, metadata)
+            if problem is not None:
+                print(f"error: {args.server} is not serving after {args.wait:g} s ({problem})", file=sys.stderr)
+                return 1
+        params = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        start = pb.StartGeneration(model=args.model or "", prompt=pb.Prompt(text=args.prompt), sampling_params=params)
+        stub = gsgrpc.GenerateServiceStub(channel)
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        try:
+            for resp in stub.GenerateStream(
+                gspb.GenerateStreamRequest(start=start), metadata=metadata, timeout=args.timeout
+            ):
+                if resp.event.WhichOneof("kind") == "delta":
+                    sys.stdout.write(resp.event.delta.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as e:
+            sys.stdout.write("\n")
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\n")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from draftwise.gateway.launcher import ServeConfig, serve
+    from draftwise.gateway.logs import configure_logging
+    from draftwise.gateway.main import config_from_args, run_loop
+
+    worker_args: list[str] = []
+    for flag, _type, _help in ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            worker_args += [flag, str(value)]
+    if args.enforce_eager:
+        worker_args.append("--enforce-eager")
+    try:
+        configure_logging(args.log_format, args.log_level)
+        cfg = ServeConfig(
+            num_workers=args.workers,
+            worker_args=tuple(worker_args),
+            threads_per_worker=args.threads_per_worker,
+            startup_timeout_s=args.startup_timeout,
+            log_format=args.log_format,
+            log_level=args.log_level,
+            gateway=config_from_args(args, ()),
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_loop(lambda: serve(cfg))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftwise", description="draftwise: LLM serving with speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="complete a prompt greedily, in-process")
+
+    g = sub.add_parser("generate", help="complete a prompt: greedily in-process, or streamed from --server")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the embedded model)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder (in-process; default: the embedded model) or model name (--server)",
+    )
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (default)")
-    g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (default; in-process)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu; in-process)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--server", default=None, help="host:port of a running `draftwise serve` (gateway) to stream from")
+    g.add_argument(
+        "--wait", type=float, default=0.0, help="with --server: wait up to this many seconds for it to serve"
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="with --server: sampling temperature (default 0: greedy)"
+    )
+    g.add_argument("--timeout", type=float, default=None, help="with --server: deadline of the request in seconds")
+    g.add_argument("--api-key", default=None, help=f"with --server: API key (default: ${API_KEY_ENV})")
+    g.add_argument("--tls", action="store_true", help="with --server: connect over TLS (system roots)")
+    g.add_argument("--tls-ca", default=None, help="with --server: connect over TLS trusting this PEM root certificate")
+
+    s = sub.add_parser("serve", help="start a gateway and worker processes on this machine")
+    s.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    for flag, type_, help_ in ENGINE_FLAGS:
+        s.add_argument(flag, type=type_, default=None, help=help_)
+    s.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    s.add_argument(
+        "--threads-per-worker", type=int, default=None, help="CPU threads per worker (default: cores shared)"
+    )
+    s.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the workers may take to start")
+    from draftwise.gateway.main import add_gateway_args
+
+    add_gateway_args(s)
+
     args = parser.parse_args(argv)
     if args.command == "generate":
         if args.max_tokens < 1:
             parser.error("--max-tokens must be >= 1")
+        if args.server:
+            return _generate_remote(args)
         return _generate(args)
+    if args.command == "serve":
+        if args.workers < 1:
+            parser.error("--workers must be >= 1")
+        return _serve(args)
     return 2
 
 

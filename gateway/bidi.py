@@ -81,7 +81,9 @@ class MultiplexedStream:
                 else:
                     self.outbox.put_final(
                         "",
-                        error_response("", grpc.StatusCode.INVALID_ARGUMENT, "GenerateRequest has neither start nor cancel"),
+                        error_response(
+                            "", grpc.StatusCode.INVALID_ARGUMENT, "GenerateRequest has neither start nor cancel"
+                        ),
                     )
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:  # the call is ending
             self.log.debug("stream read ended", error=str(e))
@@ -104,7 +106,9 @@ class MultiplexedStream:
                     "(the running one goes on): pick a fresh id",
                 )
             if self.core.draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance")
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance"
+                )
             model = validate_start(self.core, start)
             if not self.core.admission.try_acquire():
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, self.core.admission.rejection())

@@ -264,9 +264,8 @@ class Relay:
 
     def _emit_finished_abort(self) -> None:
         self._final_status("abort")
-        finished = pb.Finished(
-            finish_reason=pb.FINISH_REASON_ABORT, usage=pb.Usage(completion_tokens=self.num_tokens)
-        )
+        finished = pb.Finished(finish_reason=pb.FINISH_REASON_ABORT, usage=pb.Usage(completion_tokens=self.num_tokens))
         self.outbox.put_final(
-            self.request_id, gspb.GenerateResponse(event=pb.GenerationEvent(request_id=self.request_id, finished=finished))
+            self.request_id,
+            gspb.GenerateResponse(event=pb.GenerationEvent(request_id=self.request_id, finished=finished)),
         )

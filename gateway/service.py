@@ -45,7 +45,9 @@ class GenerateServicer:
         rid = start.request_id or f"req-{uuid.uuid4().hex[:16]}"
         try:
             if core.draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance")
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance"
+                )
             model = validate_start(core, start)
         except RequestError as e:
             core.metrics.requests.labels(e.code.name.lower()).inc()

@@ -64,6 +64,11 @@ class LLMEngine:
                 f"without chunked prefill, max_num_batched_tokens ({max_batched}) must be >= max_model_len "
                 f"({self.max_model_len}) so that every prompt fits in one step"
             )
+        if max_batched < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs ({config.max_num_seqs}): "
+                "every running request needs at least one token per step"
+            )
         num_blocks = self._num_kv_blocks(max_batched)
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:

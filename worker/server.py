@@ -5,33 +5,48 @@
 The engine loop runs on its own thread (``AsyncEngine``), so the event loop answers load and
 health checks promptly at full load. When the gateway cancels a call (its client cancelled,
 or its stream closed), the request is aborted and its blocks are free before the next step.
+``GetLoad`` also sends the model's context length as trailing metadata
+(``draftwise-max-model-len``), which the gateway reports in ListModels. With
+``--parent-pid`` the worker exits when that process is gone (``draftwise serve`` passes its
+own pid, so workers never outlive it). If the engine loop dies, health turns NOT_SERVING
+and the process exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import fields
+from pathlib import Path
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from draftwise.gateway.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.worker.async_engine import AsyncEngine
 from draftwise.worker.config import EngineConfig
 from draftwise.worker.engine import LLMEngine
+from draftwise.worker.model_config import ModelLoadError
 from draftwise.worker.outputs import StepOutput
 from draftwise.worker.proto_convert import events_from_delta, prompt_from_proto, sampling_params_from_proto
 
 log = structlog.get_logger("draftwise.worker")
 
 SERVICE_NAME = "draftwise.v1.WorkerService"
+MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
+"""Trailing metadata of GetLoad: the served model's context length."""
+TOKENS_PER_SECOND_WINDOW_S = 5.0
+"""GetLoad's tokens_per_second counts the output tokens of this many last seconds."""
 
 
 class WorkerServicer(wgrpc.WorkerServiceServicer):
@@ -43,14 +58,24 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tps = 0.0  # exponentially weighted output tokens per second
+        self._produced: collections.deque[tuple[float, int]] = collections.deque()  # (time, output tokens) per step
+        self._produced_lock = threading.Lock()
         aengine.on_step = self._on_step
 
     def _on_step(self, out: StepOutput) -> None:  # engine thread
-        if out.stats is None or out.stats.step_time <= 0:
-            return
         produced = sum(len(d.token_ids) for d in out.deltas)
-        self._tps = 0.8 * self._tps + 0.2 * (produced / out.stats.step_time)
+        if produced:
+            with self._produced_lock:
+                self._produced.append((time.monotonic(), produced))
+
+    def tokens_per_second(self) -> float:
+        """Output tokens per second over the last TOKENS_PER_SECOND_WINDOW_S seconds."""
+        since = time.monotonic() - TOKENS_PER_SECOND_WINDOW_S
+        with self._produced_lock:
+            while self._produced and self._produced[0][0] < since:
+                self._produced.popleft()
+            total = sum(n for _, n in self._produced)
+        return total / TOKENS_PER_SECOND_WINDOW_S
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerServiceGenerateRequest, context: grpc.aio.ServicerContext
@@ -64,7 +89,7 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if start.model and start.model != self.model_name:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.NOT_FOUND,
                 f"unknown model {start.model!r}; this worker serves {self.model_name!r}",
             )
         try:
@@ -95,13 +120,14 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
 
     async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> wpb.GetLoadResponse:  # noqa: N802
         sched = self.engine.scheduler
+        context.set_trailing_metadata(((MAX_MODEL_LEN_KEY, str(self.engine.max_model_len)),))
         return wpb.GetLoadResponse(
             model=self.model_name,
             num_requests_running=len(sched.running),
             num_requests_waiting=len(sched.waiting),
             num_free_kv_blocks=self.engine.blocks.num_free_blocks,
             num_total_kv_blocks=self.engine.blocks.num_blocks,
-            tokens_per_second=self._tps,
+            tokens_per_second=self.tokens_per_second(),
             draining=self.draining,
         )
 
@@ -113,40 +139,73 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         return wpb.DrainResponse(num_requests_in_flight=self.in_flight)
 
 
-async def serve(config: EngineConfig, host: str, port: int, model_name: str, ready_file: str | None = None) -> None:
+def default_model_name(model: str | Path | None) -> str:
+    """The name clients use: "draftwise-target" for the embedded default, else the folder's name."""
+    return "draftwise-target" if model is None else Path(model).resolve().name
+
+
+async def _watch(aengine: AsyncEngine, parent_pid: int | None, stop: asyncio.Event) -> str:
+    """Wait until the engine loop dies or the parent process is gone; say which."""
+    while not stop.is_set():
+        if not aengine.is_running:
+            return "engine"
+        if parent_pid is not None and os.getppid() != parent_pid:
+            return "parent"
+        await asyncio.sleep(0.25)
+    return "signal"
+
+
+async def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    model_name: str,
+    ready_file: str | None = None,
+    parent_pid: int | None = None,
+    grace_s: float = 10.0,
+) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     aengine = AsyncEngine(engine)
     aengine.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1)])
     servicer = WorkerServicer(aengine, model_name)
     wgrpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound_port = server.add_insecure_port(f"{host}:{port}")
     if bound_port == 0:
-        raise SystemExit(f"error: cannot listen on {host}:{port}")
+        aengine.shutdown()
+        raise OSError(f"cannot listen on {host}:{port} (in use?)")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "worker ready", address=f"{host}:{bound_port}", model=model_name, startup_s=round(time.perf_counter() - t0, 2)
+        "worker ready",
+        address=f"{host}:{bound_port}",
+        model=model_name,
+        max_model_len=engine.max_model_len,
+        startup_s=round(time.perf_counter() - t0, 2),
     )
     if ready_file:
-        with open(ready_file, "w") as f:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
             f.write(f"{bound_port}\n")
+        os.replace(tmp, ready_file)  # readers never see a partial file
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("worker stopping", in_flight=servicer.in_flight)
+    why = await _watch(aengine, parent_pid, stop)
+    log.info("worker stopping", reason=why, in_flight=servicer.in_flight)
     servicer.draining = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=10.0)  # in-flight streams get up to 10 s to finish
+    # in-flight streams get grace_s to finish (nobody reads them once the parent is gone)
+    await server.stop(grace=1.0 if why == "parent" else grace_s)
     aengine.shutdown()
+    return 1 if why == "engine" else 0
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -166,11 +225,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="draftwise-worker", description="a draftwise worker process (WorkerService)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port (written to --ready-file)")
-    p.add_argument("--model-name", default="default", help="the name clients use for this model")
+    p.add_argument(
+        "--model-name", default=None, help="the name clients use (default: draftwise-target, or the folder's name)"
+    )
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the parent) is gone")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument(
+        "--log-format", choices=["auto", "json", "console"], default="auto", help="log lines (default: auto)"
+    )
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
     _engine_args(p)
     args = p.parse_args(argv)
-    cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    try:
+        configure_logging(args.log_format, args.log_level)
+        cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.model_name or default_model_name(cfg.model)
     try:
         import uvloop
 
@@ -178,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         run = asyncio.run
     try:
-        run(serve(cfg, args.host, args.port, args.model_name, args.ready_file))
-    except ValueError as e:
+        return run(serve(cfg, args.host, args.port, name, args.ready_file, args.parent_pid, args.shutdown_grace))
+    except (ValueError, OSError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

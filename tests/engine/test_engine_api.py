@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=64)
+    return LLM(dtype="float32", max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=64)
 
 
 def _drain(engine):
@@ -235,3 +235,20 @@ def test_async_stream_and_cancel(llm):
         aengine.shutdown()
     assert len(got) == 24 and text == engine.tokenizer.decode(got)
     assert engine.blocks.num_free_blocks == idle
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_model_len=4096), "max_position_embeddings"),
+        (dict(max_model_len=512, num_kv_blocks=8), "raise the KV budget or lower max_model_len"),
+        (dict(max_num_batched_tokens=16, max_num_seqs=32), "must be >= max_num_seqs"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=512), "without chunked prefill"),
+        (dict(kv_cache_memory_bytes=100), "smaller than one block"),
+        (dict(block_size=0), "block_size"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    ],
+)
+def test_engine_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(dtype="float32", **kwargs)

@@ -1,0 +1,49 @@
+"""Python client of the draftwise LLM inference server: async and blocking, over gRPC,
+without torch.
+
+    from draftwise_client import AsyncClient, Client, SamplingParams
+
+    with Client("127.0.0.1:50051") as client:
+        for delta in client.generate("def fibonacci(n):", SamplingParams(max_tokens=64, temperature=0)):
+            print(delta.text, end="", flush=True)
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        async for delta in client.generate("def fibonacci(n):"):
+            print(delta.text, end="", flush=True)
+        async with client.session() as s:          # many requests on one stream
+            a = await s.generate("import os")
+            b = await s.generate("class Stack:")
+            print((await a.complete()).text, (await b.complete()).text)
+
+Errors raise :class:`GenerationError` carrying the gRPC status code and the server's message.
+"""
+
+from __future__ import annotations
+
+from draftwise_client._aio import AsyncClient, RequestStream, Session
+from draftwise_client._sync import Client
+from draftwise_client._types import (
+    Completion,
+    Delta,
+    GenerationError,
+    ModelInfo,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "Delta",
+    "GenerationError",
+    "ModelInfo",
+    "RequestStream",
+    "SamplingParams",
+    "Session",
+    "TokenLogprob",
+    "Usage",
+]

@@ -1,0 +1,245 @@
+"""The asyncio client.
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        async for delta in client.generate("def fibonacci(n):", SamplingParams(max_tokens=64, temperature=0)):
+            print(delta.text, end="", flush=True)
+
+``generate`` runs one request per call (``GenerateStream``). ``session()`` opens one
+multiplexed ``Generate`` stream for many concurrent requests, each cancellable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+
+import grpc
+
+from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
+from draftwise_client._proto import generate_service_pb2 as gspb
+from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
+from draftwise_client._proto import generation_pb2 as pb
+from draftwise_client._types import (
+    Collector,
+    Completion,
+    Delta,
+    GenerationError,
+    ModelInfo,
+    SamplingParams,
+    delta_from_event,
+    start_message,
+)
+
+
+class AsyncClient:
+    """A connection to a draftwise gateway (one gRPC channel)."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        options: Sequence[tuple[str, int | str]] = (),
+    ) -> None:
+        self.connection = Connection(target, api_key, tls, root_certificates, tuple(options))
+        creds = self.connection.credentials
+        if creds is None:
+            self.channel = grpc.aio.insecure_channel(target, options=list(options))
+        else:
+            self.channel = grpc.aio.secure_channel(target, creds, options=list(options))
+        self._stub = gsgrpc.GenerateServiceStub(self.channel)
+        self._health = self.channel.unary_unary(HEALTH_CHECK, request_serializer=empty, response_deserializer=bytes)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until the server reports SERVING; GenerationError(UNAVAILABLE) after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            try:
+                data = await self._health(b"", timeout=2.0)
+                if health_status(data) == SERVING:
+                    return
+                last = "not serving"
+            except grpc.aio.AioRpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= deadline:
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{self.connection.target} is not ready ({last})")
+            await asyncio.sleep(0.2)
+
+    async def list_models(self, timeout: float | None = 10.0) -> list[ModelInfo]:
+        try:
+            resp = await self._stub.ListModels(
+                gspb.ListModelsRequest(), metadata=self.connection.metadata, timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise GenerationError.from_rpc(e) from None
+        return [ModelInfo(m.name, m.max_model_len, m.has_draft) for m in resp.models]
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream one request's deltas (the last has ``finish_reason``). Raises GenerationError.
+        Leaving the loop early cancels the request on the server."""
+        req = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
+        call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=timeout)
+        try:
+            async for resp in call:
+                yield delta_from_event(resp.event)
+        except grpc.aio.AioRpcError as e:
+            raise GenerationError.from_rpc(e, request_id) from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def complete(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        timeout: float | None = None,
+    ) -> Completion:
+        """The whole output of one request."""
+        acc = Collector()
+        async for delta in self.generate(prompt, params, model=model, timeout=timeout):
+            acc.add(delta)
+        return acc.result()
+
+    def session(self, timeout: float | None = None) -> Session:
+        """A multiplexed stream: ``async with client.session() as s: r = await s.generate(...)``."""
+        return Session(self, timeout)
+
+
+class RequestStream:
+    """The deltas of one request of a :class:`Session` (an async iterator)."""
+
+    def __init__(self, session: Session, request_id: str) -> None:
+        self.session = session
+        self.request_id = request_id
+        self._queue: asyncio.Queue[pb.GenerationEvent | GenerationError] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, GenerationError):
+            self._done = True
+            raise item
+        if item.WhichOneof("kind") == "error":
+            self._done = True
+            raise GenerationError.from_event(item.request_id, item.error)
+        delta = delta_from_event(item)
+        self._done = delta.finished
+        return delta
+
+    async def cancel(self) -> None:
+        """Ask the server to stop this request; its last delta then says "abort"."""
+        await self.session._write(gspb.GenerateRequest(cancel=pb.CancelGeneration(request_id=self.request_id)))
+
+    async def complete(self) -> Completion:
+        acc = Collector()
+        async for delta in self:
+            acc.add(delta)
+        return acc.result()
+
+
+class Session:
+    """One ``Generate`` stream carrying many requests. Closing it half-closes the stream and
+    waits for the in-flight requests to finish."""
+
+    def __init__(self, client: AsyncClient, timeout: float | None) -> None:
+        self.client = client
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._timeout = timeout
+        self._requests: dict[str, RequestStream] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._write_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Session:
+        self._call = self.client._stub.Generate(metadata=self.client.connection.metadata, timeout=self._timeout)
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._call is not None and self._reader is not None
+        if exc_type is None:
+            await self._call.done_writing()
+            await self._reader
+        else:
+            self._call.cancel()
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _write(self, message: gspb.GenerateRequest) -> None:
+        if self._call is None:
+            raise RuntimeError("use the session inside `async with client.session() as s:`")
+        async with self._write_lock:
+            await self._call.write(message)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Start a request on the stream; iterate the returned RequestStream for its deltas."""
+        rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
+        stream = RequestStream(self, rid)
+        self._requests[rid] = stream
+        await self._write(gspb.GenerateRequest(start=start_message(prompt, params, model, rid)))
+        return stream
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        error: GenerationError | None = None
+        try:
+            async for resp in self._call:
+                event = resp.event
+                stream = self._requests.get(event.request_id)
+                if stream is None:
+                    continue
+                stream._queue.put_nowait(event)
+                if event.WhichOneof("kind") != "delta":
+                    del self._requests[event.request_id]
+        except grpc.aio.AioRpcError as e:
+            error = GenerationError.from_rpc(e)
+        except asyncio.CancelledError:
+            error = GenerationError(grpc.StatusCode.CANCELLED, "the session was closed")
+        finally:
+            for rid, stream in self._requests.items():
+                stream._queue.put_nowait(
+                    error
+                    or GenerationError(grpc.StatusCode.UNKNOWN, "the stream ended before this request finished", rid)
+                )
+            self._requests.clear()

@@ -1,0 +1,115 @@
+"""The blocking client.
+
+with Client("127.0.0.1:50051") as client:
+    for delta in client.generate("def fibonacci(n):", SamplingParams(max_tokens=64, temperature=0)):
+        print(delta.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
+from draftwise_client._proto import generate_service_pb2 as gspb
+from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
+from draftwise_client._types import (
+    Collector,
+    Completion,
+    Delta,
+    GenerationError,
+    ModelInfo,
+    SamplingParams,
+    delta_from_event,
+    start_message,
+)
+
+
+class Client:
+    """A blocking connection to a draftwise gateway (one gRPC channel)."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        options: Sequence[tuple[str, int | str]] = (),
+    ) -> None:
+        self.connection = Connection(target, api_key, tls, root_certificates, tuple(options))
+        creds = self.connection.credentials
+        if creds is None:
+            self.channel = grpc.insecure_channel(target, options=list(options))
+        else:
+            self.channel = grpc.secure_channel(target, creds, options=list(options))
+        self._stub = gsgrpc.GenerateServiceStub(self.channel)
+        self._health = self.channel.unary_unary(HEALTH_CHECK, request_serializer=empty, response_deserializer=bytes)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the server reports SERVING; GenerationError(UNAVAILABLE) after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            try:
+                if health_status(self._health(b"", timeout=2.0)) == SERVING:
+                    return
+                last = "not serving"
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= deadline:
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{self.connection.target} is not ready ({last})")
+            time.sleep(0.2)
+
+    def list_models(self, timeout: float | None = 10.0) -> list[ModelInfo]:
+        try:
+            resp = self._stub.ListModels(gspb.ListModelsRequest(), metadata=self.connection.metadata, timeout=timeout)
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc(e) from None
+        return [ModelInfo(m.name, m.max_model_len, m.has_draft) for m in resp.models]
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[Delta]:
+        """Stream one request's deltas (the last has ``finish_reason``). Raises GenerationError.
+        Leaving the loop early cancels the request on the server."""
+        req = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
+        call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=timeout)
+        try:
+            for resp in call:
+                yield delta_from_event(resp.event)
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc(e, request_id) from None
+        finally:
+            call.cancel()  # no-op once the call ended
+
+    def complete(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        timeout: float | None = None,
+    ) -> Completion:
+        """The whole output of one request."""
+        acc = Collector()
+        for delta in self.generate(prompt, params, model=model, timeout=timeout):
+            acc.add(delta)
+        return acc.result()

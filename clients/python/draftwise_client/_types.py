@@ -1,0 +1,214 @@
+"""The client's own types: sampling parameters, deltas, completions and errors, as plain
+frozen dataclasses (no protobuf in the public API)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from draftwise_client._proto import generation_pb2 as pb
+
+RETRY_AFTER_KEY = "retry-after-ms"
+"""Trailing metadata of RESOURCE_EXHAUSTED answers: when to retry, in milliseconds."""
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM's names and meanings; None leaves a field to the server's default."""
+
+    max_tokens: int | None = None  # server default 16
+    temperature: float | None = None  # server default 1.0; 0 is greedy
+    top_p: float | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+
+    def to_proto(self) -> pb.SamplingParams:
+        msg = pb.SamplingParams(
+            top_k=self.top_k,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, value)
+        if self.skip_special_tokens is not None:
+            msg.skip_special_tokens = self.skip_special_tokens
+        return msg
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    speculative_proposed_tokens: int = 0
+    speculative_accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one request. The last delta of a request has ``finish_reason`` set
+    ("stop", "length" or "abort"), carries its usage, and usually no new tokens."""
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    first_token_index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole request's output (what ``complete`` returns)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    has_draft: bool = False
+
+
+class GenerationError(Exception):
+    """A request failed: ``code`` is the gRPC status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+    UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...), ``message`` says what to do."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, request_id: str = "", retry_after_ms: int | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.retry_after_ms = retry_after_ms
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError, request_id: str = "") -> GenerationError:
+        retry = None
+        trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+        for key, value in trailing or ():
+            if key == RETRY_AFTER_KEY:
+                retry = int(value)
+        return cls(e.code(), e.details() or "", request_id, retry)
+
+    @classmethod
+    def from_event(cls, request_id: str, err: pb.RequestError) -> GenerationError:
+        code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+        retry = None
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after " in err.message:
+            tail = err.message.split("retry after ", 1)[1].split(" ", 1)[0]
+            retry = int(tail) if tail.isdigit() else None
+        return cls(code, err.message, request_id, retry)
+
+
+def start_message(
+    prompt: str | Sequence[int], params: SamplingParams | None, model: str, request_id: str
+) -> pb.StartGeneration:
+    p = pb.Prompt(text=prompt) if isinstance(prompt, str) else pb.Prompt(token_ids=pb.TokenIds(ids=list(prompt)))
+    msg = pb.StartGeneration(request_id=request_id, model=model, prompt=p)
+    if params is not None:
+        msg.sampling_params.CopyFrom(params.to_proto())
+    return msg
+
+
+def _logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+        for lp in items
+    )
+
+
+def delta_from_event(event: pb.GenerationEvent) -> Delta:
+    """A Delta from a delta or finished event (error events are raised by the caller)."""
+    if event.WhichOneof("kind") == "delta":
+        d = event.delta
+        return Delta(
+            request_id=event.request_id,
+            text=d.text,
+            token_ids=tuple(d.token_ids),
+            first_token_index=d.first_token_index,
+            logprobs=_logprobs(d.logprobs),
+        )
+    f = event.finished
+    which = f.WhichOneof("stop_reason")
+    u = f.usage
+    return Delta(
+        request_id=event.request_id,
+        first_token_index=u.completion_tokens,
+        finish_reason=_FINISH.get(f.finish_reason, "stop"),
+        stop_reason=getattr(f, which) if which else None,
+        usage=Usage(u.prompt_tokens, u.completion_tokens, u.speculative_proposed_tokens, u.speculative_accepted_tokens),
+    )
+
+
+class Collector:
+    """Accumulates deltas into a Completion."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last: Delta | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.last = delta
+
+    def result(self) -> Completion:
+        last = self.last
+        if last is None or last.finish_reason is None:
+            raise GenerationError(grpc.StatusCode.UNKNOWN, "the stream ended without a final event")
+        return Completion(
+            request_id=last.request_id,
+            text="".join(self.text),
+            token_ids=tuple(self.token_ids),
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            logprobs=tuple(self.logprobs),
+        )

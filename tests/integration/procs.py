@@ -1,0 +1,141 @@
+"""Real worker and gateway processes on 127.0.0.1 for the integration tests: each binds
+port 0 (a port free at run time) and writes the port it got to a ready file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT_DIR = ROOT / "clients" / "python"
+
+MAX_MODEL_LEN = 512
+NUM_KV_BLOCKS = 256
+MAX_NUM_SEQS = 64
+ENGINE_ARGS = (
+    *((f"--model={os.environ['DW_DEV_MODEL']}",) if os.environ.get("DW_DEV_MODEL") else ()),  # TEMP-DEV
+    f"--max-model-len={MAX_MODEL_LEN}",
+    f"--num-kv-blocks={NUM_KV_BLOCKS}",
+    f"--max-num-seqs={MAX_NUM_SEQS}",
+)
+"""Small engine settings: the machine has two cores."""
+ENGINE_KWARGS = {
+    "model": os.environ.get("DW_DEV_MODEL"),
+    "max_model_len": MAX_MODEL_LEN,
+    "num_kv_blocks": NUM_KV_BLOCKS,
+    "max_num_seqs": MAX_NUM_SEQS,
+}
+"""The same settings for an in-process reference engine."""
+MODEL_NAME = Path(os.environ["DW_DEV_MODEL"]).name if os.environ.get("DW_DEV_MODEL") else "draftwise-target"  # TEMP-DEV
+"""What the workers call the embedded default model."""
+PARENT = (f"--parent-pid={os.getpid()}",)
+"""Children exit by themselves should the test process die without cleaning up."""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process that reports readiness by writing its port to a file."""
+
+    def __init__(self, name: str, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.ready_file = tmp / f"{name}.port"
+        self.log_file = tmp / f"{name}.log"
+        self.ready_file.unlink(missing_ok=True)
+        with open(self.log_file, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, *args, "--ready-file", str(self.ready_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env or child_env(),
+                cwd=tmp,
+            )
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 180.0) -> Proc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.is_file() and self.ready_file.read_text().strip():
+                self.port = int(self.ready_file.read_text())
+                return self
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not become ready in {timeout} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def log_events(self) -> list[dict]:
+        """The JSON log lines of the process."""
+        out = []
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+        return out
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        return self.popen.returncode
+
+
+def start_workers(n: int, tmp: Path, prefix: str = "worker") -> list[Proc]:
+    """``n`` workers of the embedded default model, started in parallel."""
+    procs = [
+        Proc(
+            f"{prefix}{i}",
+            ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *ENGINE_ARGS],
+            tmp,
+        )
+        for i in range(n)
+    ]
+    try:
+        for p in procs:
+            p.wait_ready()
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs
+
+
+def start_gateway(workers: list[Proc], tmp: Path, name: str = "gateway", *flags: str, env: dict | None = None) -> Proc:
+    args = ["-m", "draftwise.gateway", "--port=0", "--log-format=json", "--metrics-port=0", *PARENT, *flags]
+    for w in workers:
+        args.append(f"--worker={w.address}")
+    return Proc(name, args, tmp, env=env).wait_ready(30)
+
+
+def metrics_port(gateway: Proc) -> int:
+    for event in gateway.log_events():
+        if event.get("event") == "gateway listening":
+            return int(event["metrics_port"])
+    raise AssertionError("the gateway logged no 'gateway listening' line")

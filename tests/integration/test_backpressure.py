@@ -1,0 +1,112 @@
+"""Backpressure: a client that stops reading gets its queued deltas coalesced and, past the
+gateway's bound, its requests cancelled with RESOURCE_EXHAUSTED; it never slows the other
+streams down."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import grpc
+import pytest
+
+from draftwise.v1 import generate_service_pb2 as gspb
+from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+from draftwise.v1 import generation_pb2 as pb
+from tests.integration.procs import start_gateway
+from tests.integration.rpc import Result, run_stream, start, start_req, wait_workers_idle
+
+# A slow reader's requests: many large deltas (top-20 logprobs per token), more than the
+# HTTP/2 flow-control window holds, so the gateway has to queue (and coalesce) them.
+SLOW = {"max_tokens": 200, "ignore_eos": True, "temperature": 0, "logprobs": 20}
+FAST = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
+NO_BDP = [("grpc.http2.bdp_probe", 0)]  # keep the client's receive window at its 64 KiB default
+
+
+async def _read_all(call: grpc.aio.StreamStreamCall) -> dict[str, Result]:
+    results: dict[str, Result] = {}
+    async for resp in call:
+        ev = resp.event
+        results.setdefault(ev.request_id, Result(ev.request_id)).add(ev)
+    return results
+
+
+async def _phase(address: str, slow_reads: bool) -> tuple[list[float], dict[str, Result]]:
+    """Three fast streams next to one slow stream; the fast streams' inter-token latencies
+    (median of each) and the slow stream's results."""
+    async with (
+        grpc.aio.insecure_channel(address) as fast_ch,
+        grpc.aio.insecure_channel(address, options=NO_BDP) as slow_ch,
+    ):
+        slow = gsgrpc.GenerateServiceStub(slow_ch).Generate(timeout=120)
+        for i in range(4):
+            await slow.write(start_req(start(f"slow{i}", f"# {i}\nimport os", **SLOW)))
+        await slow.done_writing()
+        slow_reader = asyncio.create_task(_read_all(slow)) if slow_reads else None
+        await asyncio.sleep(0.5)  # the slow requests are running
+        stub = gsgrpc.GenerateServiceStub(fast_ch)
+        fast = await asyncio.gather(*(run_stream(stub, [start("f", f"# {i}\ndef f(x):", **FAST)]) for i in range(3)))
+        slow_results = await (slow_reader if slow_reader is not None else _read_all(slow))
+    itl = []
+    for res in fast:
+        r = res["f"]
+        assert r.finish_reason == pb.FINISH_REASON_LENGTH
+        gaps = [b - a for a, b in zip(r.delta_times, r.delta_times[1:], strict=False)]
+        itl.append(statistics.median(gaps))
+    return itl, slow_results
+
+
+def test_a_client_that_stops_reading_does_not_slow_other_streams(gateway, workers):
+    asyncio.run(wait_workers_idle([w.address for w in workers]))
+    base_itl, base_slow = asyncio.run(_phase(gateway.address, slow_reads=True))
+    stalled_itl, stalled_slow = asyncio.run(_phase(gateway.address, slow_reads=False))
+    base, stalled = statistics.mean(base_itl), statistics.mean(stalled_itl)
+    assert stalled <= 2 * base, (
+        f"inter-token latency {stalled * 1e3:.1f} ms vs {base * 1e3:.1f} ms with a reading client"
+    )
+    # the stalled client still got everything, in order, its deltas merged while it was behind
+    for results in (base_slow, stalled_slow):
+        assert len(results) == 4
+        for r in results.values():
+            assert r.finish_reason == pb.FINISH_REASON_LENGTH and len(r.token_ids) == SLOW["max_tokens"]
+    assert max(n for r in stalled_slow.values() for n in r.delta_sizes) > 1
+    print(f"ITL {base * 1e3:.1f} ms (slow client reading) vs {stalled * 1e3:.1f} ms (stalled)")
+
+
+@pytest.fixture(scope="module")
+def tight_gateway(workers, proc_dir):
+    g = start_gateway(workers, proc_dir, "gateway-tight", "--max-buffered-tokens=16")
+    yield g
+    g.stop()
+
+
+def test_past_the_bound_a_slow_readers_requests_get_resource_exhausted(tight_gateway, workers):
+    async def main():
+        async with grpc.aio.insecure_channel(tight_gateway.address, options=NO_BDP) as ch:
+            stub = gsgrpc.GenerateServiceStub(ch)
+            bidi = stub.Generate(timeout=120)
+            for i in range(4):
+                await bidi.write(start_req(start(f"s{i}", f"# {i}\nimport os", **SLOW)))
+            await bidi.done_writing()
+            # one request alone must outgrow the 64 KiB stream window: twice as many tokens
+            single = stub.GenerateStream(
+                gspb.GenerateStreamRequest(start=start("", "import sys", **{**SLOW, "max_tokens": 450})), timeout=120
+            )
+            await asyncio.sleep(6)  # read nothing for a while
+            results = await _read_all(bidi)
+            code, n = grpc.StatusCode.OK, 0
+            try:
+                async for _ in single:
+                    n += 1
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            return results, code, n
+
+    results, single_code, single_events = asyncio.run(main())
+    codes = [r.code for r in results.values()]
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes, [r.final for r in results.values()]
+    for r in results.values():
+        if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert "not reading" in r.final.error.message and len(r.token_ids) < SLOW["max_tokens"]
+    assert single_code == grpc.StatusCode.RESOURCE_EXHAUSTED and single_events > 0
+    asyncio.run(wait_workers_idle([w.address for w in workers]))  # the cancelled requests freed their blocks
