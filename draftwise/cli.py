@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         if args.max_tokens < 1:
             parser.error("--max-tokens must be >= 1")
+        from draftwise.gateway.logs import configure_logging
+
+        configure_logging("auto", "warning")  # stdout carries the text alone
         if args.server:
             return _generate_remote(args)
         return _generate(args)

@@ -4,9 +4,11 @@ open (load balancers and ``buf curl --list-methods`` need no key)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,26 @@ def load_api_keys(file: str | Path | None = None, env_var: str | None = None) ->
     return frozenset(keys)
 
 
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED."""
+DRAIN_BEFORE_DENY_S = 1.0
+"""How long a refused client-streaming call is read (and discarded) before it is ended."""
 
-    async def abort(_request: Any, context: grpc.aio.ServicerContext) -> None:
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED.
+
+    On client-streaming calls the client's messages are first read and dropped until it
+    half-closes (for at most DRAIN_BEFORE_DENY_S): an asyncio client whose write races
+    with the server's status otherwise reports INTERNAL instead of UNAUTHENTICATED
+    (grpc/grpc#36066)."""
+
+    async def drain(requests: AsyncIterator[Any]) -> None:
+        async for _ in requests:
+            pass
+
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if handler.request_streaming:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(drain(request), DRAIN_BEFORE_DENY_S)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}

@@ -99,7 +99,8 @@ class MultiplexedStream:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "request_id is empty: on the Generate stream every request needs an id unique among its in-flight requests",
                 )
-            if rid in self.active:
+            running = self.active.get(rid)
+            if running is not None and not running.done:  # (a finished one may linger until its callback runs)
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"request_id {rid!r} is already in flight on this stream; the new request was rejected "

@@ -23,8 +23,8 @@ class GatewayConfig:
     """Tokens of one request queued for a reader that falls behind before it is cancelled (RESOURCE_EXHAUSTED)."""
     load_poll_interval_s: float = 0.5
     """How often each worker's ``GetLoad`` is polled."""
-    load_timeout_s: float = 1.0
-    """A worker that does not answer ``GetLoad`` within this is taken out of rotation."""
+    load_timeout_s: float = 2.0
+    """Deadline of a ``GetLoad`` poll; a worker that misses three in a row (or is unreachable) is taken out."""
     api_keys: frozenset[str] = frozenset()
     """Accepted API keys (``authorization: Bearer <key>``); empty: no authentication."""
     tls_cert: str | None = None

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -87,7 +88,9 @@ def _spawn(cfg: ServeConfig, tmp: Path) -> list[WorkerProcess]:
     procs = []
     for i in range(cfg.num_workers):
         ready = tmp / f"worker-{i}.port"
-        args = [sys.executable, "-m", "draftwise.worker.server", "--host", "127.0.0.1", "--port", "0"]
+        # -P: the current directory stays off sys.path, so a source checkout there (whose
+        # draftwise/ folder lacks the worker package) cannot shadow the installed package
+        args = [sys.executable, "-P", "-m", "draftwise.worker.server", "--host", "127.0.0.1", "--port", "0"]
         args += ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
         args += ["--log-format", cfg.log_format, "--log-level", cfg.log_level, *cfg.worker_args]
         procs.append(WorkerProcess(i, args, env, ready))
@@ -126,6 +129,10 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    port_problem = _port_in_use(cfg.gateway.host, cfg.gateway.port)
+    if port_problem:  # before the workers spend time loading the model
+        print(f"error: {port_problem}", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory(prefix="draftwise-serve-") as tmp:
         procs = _spawn(cfg, Path(tmp))
         gateway: Gateway | None = None
@@ -163,6 +170,24 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
         finally:
             await _stop_workers(procs, 0.0 if now.is_set() else cfg.worker_stop_timeout_s)
             log.info("stopped")
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on host:port, or None when it can (as far as a test bind tells)."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve {host}: {e}"
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick one with --port)"
+    return None
 
 
 async def _wait_workers(cfg: ServeConfig, procs: list[WorkerProcess], stop: asyncio.Event) -> int | None:

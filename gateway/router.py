@@ -22,6 +22,9 @@ log = structlog.get_logger("draftwise.gateway.router")
 MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
 """Trailing metadata of the worker's GetLoad: the context length of its model."""
 
+SLOW_POLLS_BEFORE_DOWN = 3
+"""Consecutive GetLoad timeouts after which a worker that still accepts connections is taken out."""
+
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),  # notice a restarted worker quickly
     ("grpc.min_reconnect_backoff_ms", 200),
@@ -49,6 +52,7 @@ class WorkerHandle:
     in_flight: int = 0  # this gateway's requests on it
     last_error: str = "not polled yet"
     last_poll: float = 0.0
+    slow_polls: int = 0  # consecutive GetLoad timeouts
 
     def score(self) -> tuple[int, int, float]:
         """Lower is less loaded."""
@@ -83,7 +87,7 @@ class Router:
         addresses: tuple[str, ...],
         metrics: GatewayMetrics,
         poll_interval_s: float = 0.5,
-        timeout_s: float = 1.0,
+        timeout_s: float = 2.0,
         on_health_change: Callable[[bool], None] | None = None,
     ) -> None:
         self.workers = [_worker_handle(a) for a in addresses]
@@ -119,8 +123,12 @@ class Router:
             load = await call
             trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as e:
-            self._set_healthy(w, False, f"GetLoad failed: {e.code().name}: {e.details()}")
+            w.slow_polls += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # unreachable: out at once; merely slow (a busy machine): out after a few misses
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.slow_polls >= SLOW_POLLS_BEFORE_DOWN:
+                self._set_healthy(w, False, f"GetLoad failed: {e.code().name}: {e.details()}")
             return
+        w.slow_polls = 0
         w.load = load
         w.model = load.model
         w.last_poll = time.monotonic()

@@ -76,13 +76,16 @@ class Gateway:
             self.server,
         )
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert and cfg.tls_key:
-            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if cfg.tls_cert and cfg.tls_key:
+                pair = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
+                self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address} (in use?)")
+            raise OSError(f"cannot listen on {address}: the port is in use (or the address is not local)")
         await self._set_health(False)
         await self.router.start()
         await self.server.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from draftwise.v1 import generation_pb2 as pb
+from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.worker.outputs import RequestDelta
 from draftwise.worker.sampler import TokenLogprobs
 from draftwise.worker.sampling_params import SamplingParams
@@ -51,22 +52,30 @@ def _logprob(lp: TokenLogprobs | None) -> pb.TokenLogprob:
 
 def events_from_delta(d: RequestDelta) -> list[pb.GenerationEvent]:
     """A delta event (when it carries tokens or text), then a finished event when it ends."""
-    events = []
+    return [r.event for r in responses_from_delta(d)]
+
+
+def responses_from_delta(d: RequestDelta) -> list[wpb.WorkerServiceGenerateResponse]:
+    """``events_from_delta`` built in place in the stream's response messages (no copies:
+    this runs once per request per engine step)."""
+    out = []
     if d.token_ids or d.text:
-        events.append(
-            pb.GenerationEvent(
-                request_id=d.request_id,
-                delta=pb.TokenDelta(
-                    token_ids=d.token_ids,
-                    text=d.text,
-                    first_token_index=d.first_token_index,
-                    logprobs=[_logprob(lp) for lp in d.logprobs] if d.logprobs else [],
-                ),
-            )
-        )
+        resp = wpb.WorkerServiceGenerateResponse()
+        ev = resp.event
+        ev.request_id = d.request_id
+        delta = ev.delta
+        delta.token_ids.extend(d.token_ids)
+        delta.text = d.text
+        delta.first_token_index = d.first_token_index
+        if d.logprobs:
+            delta.logprobs.extend(_logprob(lp) for lp in d.logprobs)
+        out.append(resp)
     if d.finished:
-        events.append(pb.GenerationEvent(request_id=d.request_id, finished=finished_from_delta(d)))
-    return events
+        resp = wpb.WorkerServiceGenerateResponse()
+        resp.event.request_id = d.request_id
+        resp.event.finished.CopyFrom(finished_from_delta(d))
+        out.append(resp)
+    return out
 
 
 def finished_from_delta(d: RequestDelta) -> pb.Finished:

@@ -38,7 +38,7 @@ from draftwise.worker.config import EngineConfig
 from draftwise.worker.engine import LLMEngine
 from draftwise.worker.model_config import ModelLoadError
 from draftwise.worker.outputs import StepOutput
-from draftwise.worker.proto_convert import events_from_delta, prompt_from_proto, sampling_params_from_proto
+from draftwise.worker.proto_convert import prompt_from_proto, responses_from_delta, sampling_params_from_proto
 
 log = structlog.get_logger("draftwise.worker")
 
@@ -103,8 +103,8 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
             stream = self.aengine.generate(rid, prompt, params)
             try:
                 async for delta in stream:
-                    for ev in events_from_delta(delta):
-                        yield wpb.WorkerServiceGenerateResponse(event=ev)
+                    for resp in responses_from_delta(delta):
+                        yield resp
             except ValueError as e:  # the engine refused the request
                 bound.info("request rejected", reason=str(e))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -173,7 +173,10 @@ async def serve(
     wgrpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind"
+        bound_port = 0
     if bound_port == 0:
         aengine.shutdown()
         raise OSError(f"cannot listen on {host}:{port} (in use?)")

@@ -46,8 +46,9 @@ def test_generate_shapes_and_metrics(llm):
 
 def test_stop_string_excluded_and_finish_reason(llm):
     full = llm.generate("def fibonacci(n):", GREEDY, use_tqdm=False)[0].outputs[0].text
-    stop = full[5:9]
-    assert stop.strip(), full
+    start = next(i for i in range(3, len(full)) if not full[i].isspace())
+    stop = full[start : start + 5]
+    assert stop.strip() and len(stop) == 5, full
     out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[
         0
     ]
@@ -70,30 +71,29 @@ def test_stop_token_ids_and_eos(llm):
 
 
 def test_min_tokens_suppresses_eos(llm):
-    # a prompt that ends a file: the model wants EOS soon
-    prompts = ["x = 1\n"] * 4
-    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
-    forced = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=200, min_tokens=len(free.token_ids) + 5), use_tqdm=False
-    )
-    c = forced[0].outputs[0]
-    assert len(c.token_ids) >= len(free.token_ids) + 5
-    if free.finish_reason == "stop":
-        assert 2 not in c.token_ids[: len(free.token_ids) + 4]
+    # the end of a test module: the default model ends the file (EOS) at once
+    prompt = 'if __name__ == "__main__":\n    unittest.main()\n'
+    eos = llm.engine.eos_token_ids
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "stop" and free.token_ids[-1] in eos and len(free.token_ids) < 5
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50, min_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert len(forced.token_ids) >= 8
+    assert not set(forced.token_ids[:7]) & set(eos)
+    assert forced.token_ids[0] != free.token_ids[0]  # EOS was masked, another token chosen
 
 
 BAD_REQUESTS = [
     ("", GREEDY, "prompt is empty"),
     ([], GREEDY, "prompt is empty"),
     ([1] * 600, GREEDY, "max_model_len"),
-    ("x" * 4000, GREEDY, "max_model_len"),
+    ("x = 1\n" * 400, GREEDY, "max_model_len"),
     ([1, 99999], GREEDY, "prompt token ids"),
     ([1, -3], GREEDY, "prompt token ids"),
     ("def", "not params", "sampling_params"),
 ]
 
 
-@pytest.mark.parametrize("prompt,params,match", BAD_REQUESTS)
+@pytest.mark.parametrize("prompt,params,match", BAD_REQUESTS, ids=[m + str(i) for i, (_, _, m) in enumerate(BAD_REQUESTS)])
 def test_bad_request_raises_and_disturbs_nothing(llm, prompt, params, match):
     engine = llm.engine
     ref = llm.generate(["def fibonacci(n):", "class A:\n"], GREEDY, use_tqdm=False)
@@ -192,7 +192,7 @@ def test_first_token_distribution_through_engine(llm):
     loaded = engine.loaded
     runner = ModelRunner(loaded, KVCache(loaded.config, 8, 16, loaded.dtype, "cpu"))
     logits = runner.run([SequenceChunk(ids, 0, list(range(8)))])[0]
-    probs = torch.softmax(logits / 0.8, -1).numpy()
+    probs = torch.softmax(logits.double() / 0.8, -1).numpy()
     n = 3000
     outs = llm.generate([prompt] * n, SamplingParams(temperature=0.8, max_tokens=1, ignore_eos=True), use_tqdm=False)
     counts = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=len(probs))

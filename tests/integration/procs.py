@@ -19,20 +19,18 @@ MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 256
 MAX_NUM_SEQS = 64
 ENGINE_ARGS = (
-    *((f"--model={os.environ['DW_DEV_MODEL']}",) if os.environ.get("DW_DEV_MODEL") else ()),  # TEMP-DEV
     f"--max-model-len={MAX_MODEL_LEN}",
     f"--num-kv-blocks={NUM_KV_BLOCKS}",
     f"--max-num-seqs={MAX_NUM_SEQS}",
 )
 """Small engine settings: the machine has two cores."""
 ENGINE_KWARGS = {
-    "model": os.environ.get("DW_DEV_MODEL"),
     "max_model_len": MAX_MODEL_LEN,
     "num_kv_blocks": NUM_KV_BLOCKS,
     "max_num_seqs": MAX_NUM_SEQS,
 }
 """The same settings for an in-process reference engine."""
-MODEL_NAME = Path(os.environ["DW_DEV_MODEL"]).name if os.environ.get("DW_DEV_MODEL") else "draftwise-target"  # TEMP-DEV
+MODEL_NAME = "draftwise-target"
 """What the workers call the embedded default model."""
 PARENT = (f"--parent-pid={os.getpid()}",)
 """Children exit by themselves should the test process die without cleaning up."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ def test_vendored_stubs_are_up_to_date():
 
 
 def test_installs_and_imports_without_torch(tmp_path):
+    src = tmp_path / "src"  # build a copy: nothing lands in the checkout
+    shutil.copytree(CLIENT_DIR, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".*"))
     target = tmp_path / "site"
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     subprocess.run(
@@ -44,7 +47,7 @@ def test_installs_and_imports_without_torch(tmp_path):
             *isolation,
             "--target",
             str(target),
-            str(CLIENT_DIR),
+            str(src),
         ],
         check=True,
         timeout=300,

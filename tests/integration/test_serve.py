@@ -151,3 +151,21 @@ def test_generate_waits_for_a_server_and_reports_errors(tmp_path):
         cwd=ROOT,
     )
     assert res.returncode == 1 and "not serving" in res.stderr and res.stderr.startswith("error: ")
+
+
+def test_serve_refuses_a_taken_port_before_starting_workers(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "draftwise.cli", "serve", f"--port={port}", *ENGINE_ARGS],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr

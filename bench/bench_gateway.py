@@ -1,0 +1,283 @@
+"""What the gateway costs: the same requests through ``draftwise serve``'s path (client ->
+gateway -> worker process, real gRPC on 127.0.0.1) and straight into the in-process engine
+(``AsyncEngine``), measured in one run on the same machine:
+
+1. output tokens/s and p50/p99 inter-token latency at 1, 64 and 256 concurrent streams
+   (each stream one greedy request: a held-out prompt of 16-64 tokens, 128 new tokens);
+2. the gateway's memory per idle stream: RSS growth of the gateway process with 1000 open,
+   idle ``Generate`` streams.
+
+    python bench/bench_gateway.py [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1]
+
+Results go to docs/benchmarks.md (section ``gateway``) and bench/results/gateway.json.
+Run it on a quiet machine (nothing else busy): every number is a ratio of two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, heldout_prompts, machine, write_section  # noqa: E402
+
+from draftwise.gateway.logs import configure_logging  # noqa: E402
+from draftwise.v1 import generate_service_pb2 as gspb  # noqa: E402
+from draftwise.v1 import generate_service_pb2_grpc as gsgrpc  # noqa: E402
+from draftwise.v1 import generation_pb2 as pb  # noqa: E402
+from draftwise.worker import SamplingParams, default_model_path  # noqa: E402
+from draftwise.worker.async_engine import AsyncEngine  # noqa: E402
+from draftwise.worker.config import EngineConfig  # noqa: E402
+from draftwise.worker.engine import LLMEngine  # noqa: E402
+from draftwise.worker.tokenizer import load_tokenizer  # noqa: E402
+
+T = TypeVar("T")
+NEW_TOKENS = 128
+PROMPT_LENGTHS = (16, 64)
+ENGINE = {"max_model_len": 512, "max_num_seqs": 256, "num_kv_blocks": 4096}
+"""One worker's settings, for both paths: room for 256 running requests."""
+
+
+@dataclass
+class Run:
+    """Token arrival times of every request of one run."""
+
+    t0: float = 0.0
+    t1: float = 0.0
+    arrivals: list[list[tuple[float, int]]] = field(default_factory=list)  # per request: (time, tokens)
+
+    def summary(self) -> dict:
+        gaps = []
+        for times in self.arrivals:
+            for (a, _), (b, n) in zip(times, times[1:], strict=False):
+                gaps += [(b - a) / n] * n
+        tokens = sum(n for times in self.arrivals for _, n in times)
+        gaps.sort()
+        return {
+            "output_tokens": tokens,
+            "seconds": self.t1 - self.t0,
+            "tokens_per_s": tokens / (self.t1 - self.t0),
+            "itl_p50_ms": 1e3 * gaps[len(gaps) // 2],
+            "itl_p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+        }
+
+
+async def run_in_process(aengine: AsyncEngine, prompts: list[list[int]]) -> Run:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    run = Run(arrivals=[[] for _ in prompts])
+
+    async def one(i: int, prompt: list[int]) -> None:
+        async for d in aengine.generate(f"b{i}-{time.monotonic_ns()}", prompt, params):
+            if d.token_ids:
+                run.arrivals[i].append((time.perf_counter(), len(d.token_ids)))
+
+    run.t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    run.t1 = time.perf_counter()
+    return run
+
+
+async def run_gateway(address: str, prompts: list[list[int]]) -> Run:
+    run = Run(arrivals=[[] for _ in prompts])
+    channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, len(prompts) // 64))]
+    params = pb.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> None:
+        stub = gsgrpc.GenerateServiceStub(channels[i % len(channels)])
+        call = stub.Generate()
+        start = pb.StartGeneration(request_id="r", prompt=pb.Prompt(token_ids=pb.TokenIds(ids=prompt)))
+        start.sampling_params.CopyFrom(params)
+        await call.write(gspb.GenerateRequest(start=start))
+        await call.done_writing()
+        async for resp in call:
+            n = len(resp.event.delta.token_ids)
+            if n:
+                run.arrivals[i].append((time.perf_counter(), n))
+
+    for ch in channels:
+        await ch.channel_ready()
+    run.t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    run.t1 = time.perf_counter()
+    for ch in channels:
+        await ch.close()
+    return run
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop: both paths, like the server processes."""
+    return uvloop.run(coro)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def idle_streams(address: str, pid: int, n: int) -> dict:
+    """RSS growth of the gateway with ``n`` open idle Generate streams (ten connections)."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(10)]
+    for ch in channels:
+        await ch.channel_ready()
+    await asyncio.sleep(1.0)
+    before = rss_bytes(pid)
+    calls = []
+    for i in range(n):
+        call = gsgrpc.GenerateServiceStub(channels[i % len(channels)]).Generate()
+        # a cancel of an unknown id: no answer, but the stream is surely open at the gateway
+        await call.write(gspb.GenerateRequest(cancel=pb.CancelGeneration(request_id="none")))
+        calls.append(call)
+    await asyncio.sleep(2.0)
+    after = rss_bytes(pid)
+    for call in calls:
+        call.cancel()
+    for ch in channels:
+        await ch.close()
+    return {
+        "streams": n,
+        "rss_before_mb": before / 2**20,
+        "rss_after_mb": after / 2**20,
+        "kb_per_stream": (after - before) / n / 1024,
+    }
+
+
+def start(args: list[str], tmp: Path, name: str, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    ready = tmp / f"{name}.port"
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+    p = subprocess.Popen([sys.executable, *args, "--ready-file", str(ready)], stdout=log, stderr=log, env=env)
+    deadline = time.monotonic() + 300
+    while not (ready.is_file() and ready.read_text().strip()):
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start: {(tmp / f'{name}.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return p, int(ready.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--idle-streams", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both paths)")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    configure_logging("console", "warning")
+    torch.set_num_threads(args.threads)
+    tok = load_tokenizer(default_model_path("target"))
+    prompts = heldout_prompts(tok, max(levels), PROMPT_LENGTHS, seed=0)
+    results: dict = {"machine": machine(), "threads": args.threads, "new_tokens": NEW_TOKENS, "levels": {}}
+
+    aengine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE)))
+    aengine.start()
+    try:
+        arun(run_in_process(aengine, prompts[:8]))  # warm-up
+        for n in levels:
+            results["levels"][n] = {"engine": arun(run_in_process(aengine, prompts[:n])).summary()}
+            print(n, "engine", json.dumps(results["levels"][n]["engine"]), flush=True)
+    finally:
+        aengine.shutdown()
+        del aengine
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
+    engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            worker, wport = start(
+                ["-m", "draftwise.worker.server", "--port=0", "--log-level=warning", *engine_flags],
+                Path(tmp),
+                "worker",
+                env,
+            )
+            procs.append(worker)
+            gw_args = ["-m", "draftwise.gateway", "--port=0", "--log-level=warning", f"--worker=127.0.0.1:{wport}"]
+            gateway, gport = start(gw_args, Path(tmp), "gateway", env)
+            procs.append(gateway)
+            address = f"127.0.0.1:{gport}"
+            arun(run_gateway(address, prompts[:8]))  # warm-up
+            for n in levels:
+                cpu0 = {name: cpu_seconds(p.pid) for name, p in (("gateway", gateway), ("worker", worker))}
+                results["levels"][n]["gateway"] = arun(run_gateway(address, prompts[:n])).summary()
+                tokens = results["levels"][n]["gateway"]["output_tokens"]
+                for name, p in (("gateway", gateway), ("worker", worker)):
+                    used = cpu_seconds(p.pid) - cpu0[name]
+                    results["levels"][n]["gateway"][f"{name}_cpu_us_per_token"] = 1e6 * used / tokens
+                print(n, "gateway", json.dumps(results["levels"][n]["gateway"]), flush=True)
+            results["idle"] = arun(idle_streams(address, gateway.pid, args.idle_streams))
+            print("idle", json.dumps(results["idle"]), flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(30)
+    out = ROOT / "bench" / "results" / "gateway.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_section("gateway", render(results))
+
+
+def render(r: dict) -> str:
+    lines = [
+        "## Gateway overhead",
+        "",
+        "`python bench/bench_gateway.py`: greedy requests (held-out prompts of "
+        f"{PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {r['new_tokens']} new tokens each), one stream per request, "
+        "through client -> gateway -> one worker process over gRPC on 127.0.0.1, against the same requests fed "
+        f"straight into the in-process engine (`AsyncEngine`, same settings, {r['threads']} torch thread(s)). "
+        f"Machine: {r['machine']}.",
+        "",
+        "| streams | engine tok/s | gateway tok/s | throughput kept | engine ITL p50 / p99 (ms) "
+        "| gateway ITL p50 / p99 (ms) | p99 added (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, v in r["levels"].items():
+        e, g = v["engine"], v["gateway"]
+        lines.append(
+            f"| {n} | {e['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | {100 * g['tokens_per_s'] / e['tokens_per_s']:.1f}% "
+            f"| {e['itl_p50_ms']:.2f} / {e['itl_p99_ms']:.2f} | {g['itl_p50_ms']:.2f} / {g['itl_p99_ms']:.2f} "
+            f"| {g['itl_p99_ms'] - e['itl_p99_ms']:+.2f} |"
+        )
+    lines += [
+        "",
+        "CPU per output token through the gateway path (µs, user + system): "
+        + ", ".join(
+            f"{n} streams: gateway {v['gateway']['gateway_cpu_us_per_token']:.0f}, "
+            f"worker {v['gateway']['worker_cpu_us_per_token']:.0f}"
+            for n, v in r["levels"].items()
+        )
+        + ".",
+    ]
+    idle = r.get("idle")
+    if idle:
+        lines += [
+            "",
+            f"Memory: {idle['streams']} idle `Generate` streams grow the gateway's RSS from "
+            f"{idle['rss_before_mb']:.1f} MiB to {idle['rss_after_mb']:.1f} MiB: "
+            f"**{idle['kb_per_stream']:.1f} KiB per idle stream**.",
+        ]
+    lines += ["", "Goals: at most 5% of throughput lost, at most 1 ms added to p99 inter-token latency."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
