@@ -390,7 +390,14 @@ def main() -> None:
         lib_stream = encode_stream(tok, lib_files)
         log(f"stage 2: {len(lib_files)} library files, {lib_stream.numel():,} tokens")
         secs = train(
-            target, lib_stream, val_stream, steps=args.target2_steps, batch=args.batch, seq=args.seq, peak_lr=1e-3, seed=2
+            target,
+            lib_stream,
+            val_stream,
+            steps=args.target2_steps,
+            batch=args.batch,
+            seq=args.seq,
+            peak_lr=1e-3,
+            seed=2,
         )
         stats["target2_steps"] = args.target2_steps
         stats["target2_train_minutes"] = secs / 60
