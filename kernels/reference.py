@@ -178,8 +178,9 @@ def paged_attention(
     if g is not None:
         G = g.block_tables.shape[0]
         qmax = g.token_index.shape[1]
-        keys = k_cache[g.block_tables].view(G, -1, h, d)  # [G, L, Hkv, D]
-        vals = v_cache[g.block_tables].view(G, -1, h, d)
+        flat = g.block_tables.view(-1)  # index_select copies whole blocks: far faster than advanced indexing
+        keys = k_cache.index_select(0, flat).view(G, -1, h, d)  # [G, L, Hkv, D]
+        vals = v_cache.index_select(0, flat).view(G, -1, h, d)
         mask = None
         if g.single_len is not None and (sliding_window is None or g.single_len <= sliding_window):
             keys, vals = keys[:, : g.single_len], vals[:, : g.single_len]
@@ -198,8 +199,8 @@ def paged_attention(
             return o.reshape(q.shape)
         out.index_copy_(0, g.flat_valid_index, o.reshape(G * qmax, *q.shape[1:]).index_select(0, g.padded_valid))
     for s in plan.long:
-        keys = k_cache[s.blocks].view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        vals = v_cache[s.blocks].view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]
+        keys = k_cache.index_select(0, s.blocks).view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        vals = v_cache.index_select(0, s.blocks).view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]
         qq = q[s.start : s.end].transpose(0, 1)[None]  # [1, H, q, D]
         o = F.scaled_dot_product_attention(
             qq,

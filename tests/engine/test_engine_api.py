@@ -76,7 +76,9 @@ def test_min_tokens_suppresses_eos(llm):
     eos = llm.engine.eos_token_ids
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "stop" and free.token_ids[-1] in eos and len(free.token_ids) < 5
-    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50, min_tokens=8), use_tqdm=False)[0].outputs[0]
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50, min_tokens=8), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(forced.token_ids) >= 8
     assert not set(forced.token_ids[:7]) & set(eos)
     assert forced.token_ids[0] != free.token_ids[0]  # EOS was masked, another token chosen
@@ -93,7 +95,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("prompt,params,match", BAD_REQUESTS, ids=[m + str(i) for i, (_, _, m) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "prompt,params,match", BAD_REQUESTS, ids=[m + str(i) for i, (_, _, m) in enumerate(BAD_REQUESTS)]
+)
 def test_bad_request_raises_and_disturbs_nothing(llm, prompt, params, match):
     engine = llm.engine
     ref = llm.generate(["def fibonacci(n):", "class A:\n"], GREEDY, use_tqdm=False)

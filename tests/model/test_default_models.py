@@ -124,7 +124,7 @@ def test_fibonacci_greedy_matches_hf_and_reads_as_python(hf_models):
             break
         body.append(line)
     src = "\n".join(body).rstrip()
-    assert len(body) >= 3, text
+    assert len(src.split("\n")) >= 2, text  # the def line and at least one body line
     # the last line may be cut mid-statement by max_new_tokens: drop it if needed
     try:
         ast.parse(src)
