@@ -34,6 +34,12 @@ class _Stream:
     queue: asyncio.Queue[RequestDelta | BaseException]
 
 
+def _deliver(items: list[tuple[asyncio.Queue, RequestDelta]]) -> None:
+    """On the event loop: hand a step's deltas to their streams."""
+    for q, d in items:
+        q.put_nowait(d)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None] | None = None) -> None:
         self.engine = engine
@@ -129,12 +135,16 @@ class AsyncEngine:
                     continue
                 out = self.engine.step()
                 self.last_stats = out.stats
+                # one wake-up per event loop per step, however many streams it serves
+                batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
                 for d in out.deltas:
                     s = self._streams.get(d.request_id)
                     if s is not None:
-                        s.loop.call_soon_threadsafe(s.queue.put_nowait, d)
+                        batches.setdefault(s.loop, []).append((s.queue, d))
                         if d.finished:
                             self._streams.pop(d.request_id, None)
+                for loop, items in batches.items():
+                    loop.call_soon_threadsafe(_deliver, items)
                 if self.on_step is not None:
                     self.on_step(out)
         except BaseException as e:  # the engine died: fail every stream rather than hang it
