@@ -52,27 +52,30 @@ class AttentionMetadata:
         """Build from host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        slots: list[int] = []
         for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if q < 1 or q > s:
                 raise ValueError(f"query length {q} must be in [1, seq_len={s}]")
             if len(table) * block_size < s:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
-            for pos in range(s - q, s):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
         max_blocks = max((len(t) for t in block_tables), default=1) or 1
-        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
         for i, t in enumerate(block_tables):
             if t:
-                tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+                tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
+        # slots of all new tokens at once: the block holding each position, and the offset in it
+        q_t = torch.tensor(list(query_lens), dtype=torch.int64)
+        seq_of = torch.repeat_interleave(torch.arange(len(q_t)), q_t)  # [T] sequence of each token
+        first = torch.tensor(list(seq_lens), dtype=torch.int64) - q_t  # [S] position of each first new token
+        pos = first[seq_of] + torch.arange(int(q_t.sum())) - torch.tensor(qsl[:-1], dtype=torch.int64)[seq_of]  # [T]
+        slots = tables[seq_of, pos // block_size] * block_size + pos % block_size  # [T]
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=slots.to(device),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=tables.to(device),
+            block_tables=tables.to(device=device, dtype=torch.int32),
             block_size=block_size,
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
