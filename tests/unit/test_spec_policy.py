@@ -1,0 +1,134 @@
+"""The speculation policy: acceptance moves each request's cap, three empty rounds switch it
+off, probes switch it back on, and measured costs pick the k (zero included) that pays."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.worker.spec.policy import CostModel, PolicyConfig, SpeculationPolicy, expected_tokens
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.7, 4) == pytest.approx(1 + 0.7 + 0.49 + 0.343 + 0.2401)
+
+
+def test_cap_rises_and_falls_with_acceptance():
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=6, window=2))
+    st = pol.new_state()
+    assert st.cap == 4
+    pol.update(st, 4, 4)
+    assert st.cap == 5
+    pol.update(st, 5, 5)
+    pol.update(st, 6, 6)
+    assert st.cap == 6  # never above max_k
+    pol.update(st, 6, 1)  # window (6,6), (6,1): 7/12 accepted, between the bounds: unchanged
+    assert st.cap == 6
+    pol.update(st, 6, 1)  # window of 2: 2/12 accepted -> lower
+    assert st.cap == 5
+    pol.update(st, 4, 3)  # window: (6,1), (4,3): 0.4 -> lower
+    assert st.cap == 4
+    assert st.proposed == 31 and st.accepted == 20
+
+
+def test_three_empty_rounds_switch_off_then_probe():
+    pol = SpeculationPolicy(PolicyConfig(off_after=3, probe_after=5))
+    st = pol.new_state()
+    for _ in range(3):
+        pol.update(st, 4, 0)
+    assert st.off_steps == 0
+    assert [pol.choose_k(st, 1) for _ in range(5)] == [0] * 5
+    assert pol.choose_k(st, 1) == 1  # the probe
+    pol.update(st, 1, 0)  # failed probe: off again for probe_after steps
+    assert [pol.choose_k(st, 1) for _ in range(6)] == [0, 0, 0, 0, 0, 1]
+    pol.update(st, 1, 1)  # successful probe: on, gently
+    assert st.off_steps is None and st.cap == 1
+    assert pol.choose_k(st, 1) == 1
+
+
+def test_some_acceptance_breaks_the_zero_streak():
+    pol = SpeculationPolicy(PolicyConfig(off_after=3))
+    st = pol.new_state()
+    pol.update(st, 4, 0)
+    pol.update(st, 4, 0)
+    pol.update(st, 4, 1)
+    pol.update(st, 4, 0)
+    assert st.off_steps is None
+
+
+def test_request_cap_respected():
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=8))
+    st = pol.new_state(cap=2)
+    assert st.cap == 2 and st.limit == 2
+    for _ in range(5):
+        pol.update(st, 2, 2)
+    assert st.cap == 2
+    off = pol.new_state(cap=0)
+    assert pol.choose_k(off, 1) == 0
+
+
+def test_without_measurements_acceptance_decides():
+    pol = SpeculationPolicy()
+    st = pol.new_state()
+    assert pol.choose_k(st, 1) == st.cap
+
+
+def _costs(per_token: float, fixed: float, draft_fixed: float, draft_per_seq: float, sizes: range) -> CostModel:
+    c = CostModel()
+    for n in sizes:
+        c.record_target(n, fixed + per_token * n)
+        c.record_draft(n, draft_fixed + draft_per_seq * n)
+    return c
+
+
+def test_costs_pick_k_small_batch_memory_bound():
+    # batch 1: a forward costs the same for 1 or 9 tokens (weights dominate): speculate fully
+    costs = _costs(per_token=1e-5, fixed=8e-3, draft_fixed=1e-3, draft_per_seq=1e-6, sizes=range(1, 700))
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4), costs)
+    st = pol.new_state()
+    for _ in range(4):
+        pol.update(st, 4, 4)
+    assert pol.choose_k(st, 1) == st.cap >= 4
+
+
+def test_costs_switch_off_at_large_batch():
+    # batch 256: a forward costs per token; verifying k drafts costs k times more, drafts too
+    costs = _costs(per_token=1e-4, fixed=8e-3, draft_fixed=1e-3, draft_per_seq=8e-5, sizes=range(1, 2400))
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4), costs)
+    st = pol.new_state()
+    pol.update(st, 4, 3)
+    assert pol.choose_k(st, 256) == 0
+    assert pol.choose_k(st, 1) > 0  # the same request at batch 1 still speculates
+
+
+def test_cost_model_nearest_and_smoothing():
+    c = CostModel(alpha=0.5)
+    assert c.target_time(4) is None
+    c.record_target(4, 1.0)
+    c.record_target(4, 3.0)
+    assert c.target_time(4) == pytest.approx(2.0)
+    assert c.target_time(8) == pytest.approx(4.0)  # scaled from the nearest measurement
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_k=0), "max_k"),
+        (dict(initial_k=9), "initial_k"),
+        (dict(lower_below=0.9, raise_above=0.8), "lower_below"),
+        (dict(off_after=0), "off_after"),
+        (dict(prior_acceptance=1.0), "prior_acceptance"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PolicyConfig(**kwargs)
+
+
+def test_update_validates():
+    pol = SpeculationPolicy()
+    with pytest.raises(ValueError, match="accepted"):
+        pol.update(pol.new_state(), 2, 3)

@@ -1,0 +1,180 @@
+"""How many tokens to speculate, per request per step (DESIGN §4).
+
+Two layers:
+
+1. **Acceptance**: each request keeps the acceptance of its recent rounds. Its cap on k rises
+   by one while acceptance is above ``raise_above``, falls by one below ``lower_below``; after
+   ``off_after`` rounds in a row with nothing accepted speculation goes off for the request,
+   and after ``probe_after`` plain steps it is probed again with k = 1.
+2. **Cost**: the engine records how long draft steps and verify steps take at each batch
+   size (``CostModel``). Given an acceptance rate a, k drafted tokens yield on average
+   (1 - a^(k+1)) / (1 - a) tokens per step; the policy picks the k (zero included) up to the
+   request's cap that gives the most tokens per second of step time at the current batch
+   size, so speculation switches itself down where batches are large enough that it no
+   longer pays.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the speculation policy."""
+
+    max_k: int = 8  # the most tokens ever drafted in one step
+    initial_k: int = 4  # a new request's cap
+    raise_above: float = 0.8  # acceptance over the window above which the cap rises
+    lower_below: float = 0.5  # acceptance below which the cap falls
+    off_after: int = 3  # rounds in a row with nothing accepted before speculation goes off
+    probe_after: int = 32  # plain steps after which an off request is probed again
+    window: int = 8  # rounds of history behind the acceptance estimate
+    prior_acceptance: float = 0.7  # acceptance assumed before a request has any history
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        if not 1 <= self.initial_k <= self.max_k:
+            raise ValueError(f"initial_k must be in [1, max_k={self.max_k}], got {self.initial_k}")
+        if not 0.0 <= self.lower_below <= self.raise_above <= 1.0:
+            raise ValueError("need 0 <= lower_below <= raise_above <= 1")
+        if self.off_after < 1 or self.probe_after < 1 or self.window < 1:
+            raise ValueError("off_after, probe_after and window must be >= 1")
+        if not 0.0 <= self.prior_acceptance < 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1), got {self.prior_acceptance}")
+
+
+@dataclass
+class RequestSpecState:
+    """One request's speculation history."""
+
+    cap: int  # the most tokens this request may draft now
+    limit: int  # the most it may ever draft (the policy's max_k, or less if the request asks)
+    rounds: deque[tuple[int, int]] = field(default_factory=deque)  # recent (proposed, accepted)
+    zero_streak: int = 0  # rounds in a row with nothing accepted
+    off_steps: int | None = None  # plain steps since speculation went off (None: on)
+    proposed: int = 0  # totals, for reporting
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed across the window, None without history."""
+        p = sum(r[0] for r in self.rounds)
+        return None if p == 0 else sum(r[1] for r in self.rounds) / p
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Mean tokens a step yields with k drafted tokens, each accepted with probability
+    ``acceptance`` independently: 1 + a + ... + a^k."""
+    if k == 0:
+        return 1.0
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class CostModel:
+    """Measured step times by batch size: an exponentially weighted mean per size, and the
+    nearest measured size when one has not been seen."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self._verify: dict[int, float] = {}  # tokens in the target's forward -> seconds
+        self._draft: dict[int, float] = {}  # sequences in one draft step -> seconds
+
+    def record_target(self, num_tokens: int, seconds: float) -> None:
+        self._update(self._verify, num_tokens, seconds)
+
+    def record_draft(self, num_seqs: int, seconds: float) -> None:
+        self._update(self._draft, num_seqs, seconds)
+
+    def _update(self, table: dict[int, float], key: int, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+
+    @staticmethod
+    def _lookup(table: dict[int, float], key: int) -> float | None:
+        if not table:
+            return None
+        if key in table:
+            return table[key]
+        nearest = min(table, key=lambda k: (abs(k - key), k))
+        return table[nearest] * key / nearest  # scale linearly from the nearest measurement
+
+    def target_time(self, num_tokens: int) -> float | None:
+        return self._lookup(self._verify, num_tokens)
+
+    def draft_time(self, num_seqs: int) -> float | None:
+        return self._lookup(self._draft, num_seqs)
+
+
+class SpeculationPolicy:
+    def __init__(self, config: PolicyConfig | None = None, costs: CostModel | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.costs = costs or CostModel()
+
+    def new_state(self, cap: int | None = None) -> RequestSpecState:
+        """State for a new request; ``cap`` is its own limit on k (from its SamplingParams)."""
+        limit = self.config.max_k if cap is None else max(0, min(cap, self.config.max_k))
+        return RequestSpecState(cap=min(self.config.initial_k, limit), limit=limit)
+
+    def choose_k(self, state: RequestSpecState, batch_size: int) -> int:
+        """Tokens to draft for this request this step (0: a plain decode step)."""
+        if state.cap == 0:
+            return 0
+        if state.off_steps is not None:
+            if state.off_steps < self.config.probe_after:
+                state.off_steps += 1
+                return 0
+            return 1  # probe
+        a = state.acceptance_rate
+        a = self.config.prior_acceptance if a is None else a
+        return self._best_k(a, state.cap, batch_size)
+
+    def _best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
+        plain = self.costs.target_time(batch_size)
+        draft = self.costs.draft_time(batch_size)
+        if plain is None or draft is None:
+            return cap  # nothing measured yet: acceptance alone decides
+        best_k, best_rate = 0, 1.0 / plain
+        for k in range(1, cap + 1):
+            verify = self.costs.target_time(batch_size * (k + 1))
+            assert verify is not None
+            rate = expected_tokens(acceptance, k) / (verify + k * draft)
+            if rate > best_rate * 1.02:  # prefer fewer drafted tokens unless clearly better
+                best_k, best_rate = k, rate
+        return best_k
+
+    def update(self, state: RequestSpecState, proposed: int, accepted: int) -> None:
+        """Record one verified round of ``proposed`` drafted tokens, ``accepted`` of them kept."""
+        if proposed <= 0:
+            return
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted ({accepted}) must be in [0, proposed={proposed}]")
+        cfg = self.config
+        state.proposed += proposed
+        state.accepted += accepted
+        state.rounds.append((proposed, accepted))
+        while len(state.rounds) > cfg.window:
+            state.rounds.popleft()
+        if state.off_steps is not None:  # this was a probe
+            if accepted == 0:
+                state.off_steps = 0
+                return
+            state.off_steps = None
+            state.zero_streak = 0
+            state.cap = 1  # start again gently; acceptance raises it
+            return
+        state.zero_streak = state.zero_streak + 1 if accepted == 0 else 0
+        if state.zero_streak >= cfg.off_after:
+            state.off_steps = 0
+            state.rounds.clear()
+            return
+        rate = state.acceptance_rate
+        assert rate is not None
+        if rate > cfg.raise_above:
+            state.cap = min(state.cap + 1, state.limit)
+        elif rate < cfg.lower_below:
+            state.cap = max(state.cap - 1, 1)
