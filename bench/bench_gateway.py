@@ -35,7 +35,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, heldout_prompts, machine, write_section  # noqa: E402
 
-from draftwise.gateway.logs import configure_logging  # noqa: E402
+from draftwise.logs import configure_logging  # noqa: E402
 from draftwise.v1 import generate_service_pb2 as gspb  # noqa: E402
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc  # noqa: E402
 from draftwise.v1 import generation_pb2 as pb  # noqa: E402

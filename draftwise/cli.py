@@ -128,8 +128,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from draftwise.gateway.launcher import ServeConfig, serve
-    from draftwise.gateway.logs import configure_logging
     from draftwise.gateway.main import config_from_args, run_loop
+    from draftwise.logs import configure_logging
 
     worker_args: list[str] = []
     for flag, _type, _help in ENGINE_FLAGS:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         if args.max_tokens < 1:
             parser.error("--max-tokens must be >= 1")
-        from draftwise.gateway.logs import configure_logging
+        from draftwise.logs import configure_logging
 
         configure_logging("auto", "warning")  # stdout carries the text alone
         if args.server:

@@ -15,8 +15,8 @@ import structlog
 
 from draftwise.gateway.auth import load_api_keys
 from draftwise.gateway.config import GatewayConfig
-from draftwise.gateway.logs import configure_logging
 from draftwise.gateway.server import Gateway, write_ready_file
+from draftwise.logs import configure_logging
 
 log = structlog.get_logger("draftwise.gateway")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from draftwise.logs import ensure_logging
 from draftwise.worker import default_model_path
 from draftwise.worker.block_manager import BlockManager
 from draftwise.worker.config import EngineConfig
@@ -42,6 +43,7 @@ class LLMEngine:
     """Continuous batching over a paged KV cache, with chunked prefill and preemption."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
+        ensure_logging()
         self.config = config = config or EngineConfig()
         folder = Path(config.model) if config.model is not None else default_model_path("target")
         self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)

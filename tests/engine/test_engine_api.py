@@ -256,3 +256,17 @@ def test_async_stream_and_cancel(llm):
 def test_engine_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(dtype="float32", **kwargs)
+
+
+def test_library_use_logs_no_debug_lines(capfd):
+    import subprocess
+    import sys
+
+    code = (
+        "from draftwise.worker import LLM, SamplingParams;"
+        "LLM(dtype='float32', max_model_len=128, num_kv_blocks=16).generate(['x = 1'], SamplingParams(max_tokens=2), use_tqdm=False)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "request added" not in res.stdout + res.stderr  # debug lines are filtered
+    assert "kv cache ready" in res.stderr  # info lines go to stderr

@@ -1,4 +1,4 @@
-"""structlog setup shared by the gateway and ``draftwise serve``: JSON lines in production,
+"""structlog setup shared by the gateway, the worker and ``draftwise serve``: JSON lines in production,
 a console renderer in a terminal. Every line about a request carries its ``request_id``."""
 
 from __future__ import annotations
@@ -34,3 +34,10 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def ensure_logging(level: str = "info") -> None:
+    """Library use (``LLM``, ``LLMEngine``): unless the application configured structlog
+    itself, log at ``level`` and above to stderr, so per-request debug lines stay quiet."""
+    if not structlog.is_configured():
+        configure_logging("auto", level)
