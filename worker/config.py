@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+SPECULATIVE_METHODS = ("draft", "ngram")
+DEFAULT_SPECULATIVE_TOKENS = 5
+MAX_SPECULATIVE_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -27,6 +31,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV block count, overriding both budgets (tests, tuning)
     seed: int = 0  # seeds the RNG of requests that bring no seed of their own
     enforce_eager: bool = False  # never use CUDA graphs (graph capture is CUDA-only; CPU is always eager)
+    # --- speculative decoding (DESIGN §4); all unset: no speculation
+    speculative_model: str | Path | None = None  # draft checkpoint folder, or "default": the embedded draft
+    speculative_method: str | None = None  # "draft" | "ngram"; None: "draft" when speculative_model is set
+    num_speculative_tokens: int | None = None  # most tokens drafted per request per step; None: 5
+    speculative_adaptive: bool = True  # the policy picks k <= num_speculative_tokens; False: always exactly that
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix matched; None: 1
+    prompt_lookup_max: int | None = None  # ngram: longest suffix tried first; None: 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -43,3 +54,49 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if method == "ngram" and self.speculative_model is not None:
+            raise ValueError("speculative_method='ngram' uses no draft model: leave speculative_model unset")
+        if method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative_method='draft' needs speculative_model (a checkpoint folder, or 'default')")
+        if self.speculative_model is not None and not str(self.speculative_model):
+            raise ValueError("speculative_model must be a folder or 'default', got ''")
+        k = self.num_speculative_tokens
+        if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and lo < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {lo}")
+        if hi is not None and hi < (lo or 1):
+            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({lo or 1}), got {hi}")
+        if self.spec_method is None:
+            given = [
+                name
+                for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+                if getattr(self, name) is not None
+            ]
+            if not self.speculative_adaptive:
+                given.append("speculative_adaptive")
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} set without speculation: give speculative_model or speculative_method"
+                )
+        elif self.spec_method == "draft" and (lo is not None or hi is not None):
+            raise ValueError("prompt_lookup_min/max apply to speculative_method='ngram' only")
+
+    @property
+    def spec_method(self) -> str | None:
+        """The speculative method in effect: "draft", "ngram" or None (no speculation)."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft" if self.speculative_model is not None else None
+
+    @property
+    def spec_k(self) -> int:
+        """The most tokens drafted per request per step."""
+        return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS

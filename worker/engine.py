@@ -26,11 +26,15 @@ from draftwise.worker.detokenizer import IncrementalDetokenizer
 from draftwise.worker.kv_cache import KVCache, bytes_per_block
 from draftwise.worker.loader import LoadedModel, load_model
 from draftwise.worker.model_runner import ModelRunner, SequenceChunk
-from draftwise.worker.outputs import RequestDelta, RequestOutput, StepOutput, StepStats
+from draftwise.worker.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.request import FinishReason, Request, RequestStatus
-from draftwise.worker.sampler import Sampler, SamplingRow, TokenLogprobs
+from draftwise.worker.sampler import Sampler, SamplingRow, TokenLogprobs, processed_probs, token_logprobs
 from draftwise.worker.sampling_params import SamplingParams
 from draftwise.worker.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from draftwise.worker.spec.draft import DraftModelProposer
+from draftwise.worker.spec.ngram import NgramProposer
+from draftwise.worker.spec.policy import CostModel, PolicyConfig, SpeculationPolicy
+from draftwise.worker.spec.rejection_sampler import rejection_sample
 from draftwise.worker.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("draftwise.engine")
@@ -71,7 +75,8 @@ class LLMEngine:
                 f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs ({config.max_num_seqs}): "
                 "every running request needs at least one token per step"
             )
-        num_blocks = self._num_kv_blocks(max_batched)
+        draft = self._load_draft()
+        num_blocks = self._num_kv_blocks(max_batched, draft)
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -81,6 +86,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device)
         self.runner = ModelRunner(self.loaded, self.kv_cache)
         self.blocks = BlockManager(num_blocks, config.block_size)
+        self._init_speculation(draft, num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -88,6 +94,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.blocks,
+            on_release=self._release_spec,
         )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -104,13 +111,53 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=max_batched,
             attention_backend=self.runner.backend.name,
+            speculation=self.spec_method,
         )
 
     # ------------------------------------------------------------------ sizing
 
-    def _num_kv_blocks(self, max_batched: int) -> int:
+    def _load_draft(self) -> LoadedModel | None:
+        """The draft model, when speculative_method is "draft" (checked against the target)."""
+        cfg = self.config
+        if cfg.spec_method != "draft":
+            return None
+        name = str(cfg.speculative_model)
+        folder = default_model_path("draft") if name == "default" else Path(name)
+        draft = load_model(folder, dtype=self.loaded.dtype, device=self.loaded.device)
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"the draft model's context ({draft.config.max_position_embeddings}) is shorter than "
+                f"max_model_len={self.max_model_len}: lower max_model_len"
+            )
+        if draft.config.vocab_size > self.loaded.config.vocab_size:
+            raise ValueError(
+                f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+                f"({self.loaded.config.vocab_size}): draft and target must share a tokenizer"
+            )
+        return draft
+
+    def _init_speculation(self, draft: LoadedModel | None, num_blocks: int) -> None:
+        cfg = self.config
+        self.spec_method: str | None = cfg.spec_method
+        self.proposer: DraftModelProposer | None = None
+        self.ngram: NgramProposer | None = None
+        if draft is not None:
+            self.proposer = DraftModelProposer(draft, num_blocks, cfg.block_size, self.loaded.config.vocab_size)
+        elif self.spec_method == "ngram":
+            self.ngram = NgramProposer(cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 4)
+        k = cfg.spec_k
+        self.policy = SpeculationPolicy(PolicyConfig(max_k=k, initial_k=min(4, k)), CostModel())
+        self.spec_adaptive = cfg.speculative_adaptive
+        self.spec_totals = {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
+        self._ngram_seconds = 0.0
+
+    def _num_kv_blocks(self, max_batched: int, draft: LoadedModel | None = None) -> int:
+        """Blocks for the target's KV pool; with a draft model, the draft's pool gets as many
+        blocks of the same size, and both come out of the one budget."""
         cfg = self.config
         per_block = bytes_per_block(self.loaded.config, cfg.block_size, self.loaded.dtype)
+        if draft is not None:
+            per_block += bytes_per_block(draft.config, cfg.block_size, draft.dtype)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_cache_memory_bytes is not None:
@@ -196,6 +243,8 @@ class LLMEngine:
             generator=generator,
             detokenizer=detok,
         )
+        if self.spec_method is not None and params.use_speculation:
+            req.spec = self.policy.new_state(params.max_speculative_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
         log.debug("request added", request_id=request_id, prompt_tokens=len(ids), max_tokens=max_tokens)
@@ -255,9 +304,12 @@ class LLMEngine:
         pending, self._pending = self._pending, []
         deltas = [d for d, _ in pending]
         finished = [o for _, o in pending]
-        sched = self.scheduler.schedule()
+        self._ngram_seconds = 0.0
+        lookahead = self._lookahead if self.spec_method is not None else None
+        sched = self.scheduler.schedule(lookahead)
+        spec_counts = (0, 0)
         if sched.scheduled:
-            self._execute(sched.scheduled, deltas, finished)
+            spec_counts = self._execute(sched.scheduled, deltas, finished)
         self.num_steps += 1
         stats = StepStats(
             num_scheduled=len(sched.scheduled),
@@ -267,48 +319,199 @@ class LLMEngine:
             num_preempted=len(sched.preempted),
             num_free_blocks=self.blocks.num_free_blocks,
             step_time=time.perf_counter() - t0,
+            num_spec_proposed=spec_counts[0],
+            num_spec_accepted=spec_counts[1],
         )
         return StepOutput(deltas=deltas, finished=finished, stats=stats)
 
+    # ------------------------------------------------------------------ speculation
+
+    def _lookahead(self, req: Request, batch_size: int) -> int:
+        """Draft tokens ``req`` (decoding) gets this step: the policy's k, within what is left
+        of its max_tokens and of the context. For n-gram lookup, the drafts themselves are
+        found here (k is then what the lookup found)."""
+        req.spec_draft_ids = []
+        st = req.spec
+        if st is None:
+            return 0
+        room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+        k = st.limit if not self.spec_adaptive else self.policy.choose_k(st, batch_size)
+        k = min(k, room)
+        if k <= 0:
+            return 0
+        if self.ngram is not None:
+            t0 = time.perf_counter()
+            req.spec_draft_ids = self.ngram.propose(req.all_token_ids, k)
+            self._ngram_seconds += time.perf_counter() - t0
+            return len(req.spec_draft_ids)
+        return k
+
+    def _release_spec(self, req: Request) -> None:
+        """The scheduler freed ``req``'s blocks: its draft KV goes too."""
+        req.spec_draft_ids = []
+        if self.proposer is not None:
+            self.proposer.release(req)
+
+    def _propose(self, spec: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Fill ``spec_draft_ids`` of the requests verifying drafts this step; the draft
+        distributions q ([sum k, vocab]), or None for n-gram lookup (q one-hot)."""
+        ks = [s.num_draft_tokens for s in spec]
+        if self.proposer is None:
+            for s, k in zip(spec, ks, strict=True):
+                s.request.spec_draft_ids = s.request.spec_draft_ids[:k]
+            self.policy.costs.record_draft(len(self.scheduler.running), self._ngram_seconds / max(ks))
+            return None
+        prop = self.proposer.propose([s.request for s in spec], ks)
+        for s, d in zip(spec, prop.token_ids, strict=True):
+            s.request.spec_draft_ids = d
+        self.policy.costs.record_draft(len(spec), prop.seconds / prop.num_steps)
+        self.spec_totals["draft_seconds"] += prop.seconds
+        return prop.probs
+
+    # ------------------------------------------------------------------ execution
+
     def _execute(
         self, scheduled: list[ScheduledRequest], deltas: list[RequestDelta], finished: list[RequestOutput]
-    ) -> None:
+    ) -> tuple[int, int]:
+        """Run one step; returns (draft tokens verified, accepted)."""
         now = time.monotonic()
+        spec = [s for s in scheduled if s.num_draft_tokens > 0]
+        draft_probs = self._propose(spec) if spec else None
         chunks = []
         for s in scheduled:
             r = s.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             start = r.num_computed_tokens
-            chunks.append(
-                SequenceChunk(
-                    r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
+            if s.num_draft_tokens:
+                chunks.append(
+                    SequenceChunk(
+                        r.token_slice(start, start + 1) + r.spec_draft_ids, start, r.block_table, 1 + s.num_draft_tokens
+                    )
                 )
+            else:
+                chunks.append(
+                    SequenceChunk(
+                        r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
+                    )
+                )
+        t0 = time.perf_counter()
+        logits = self.runner.run(chunks)  # [sum of num_logits, vocab]
+        if self.spec_method is not None and all(
+            s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled
+        ):
+            # a pure decode/verify step: its cost feeds the speculation policy
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            self.policy.costs.record_target(
+                len(chunks) + sum(s.num_draft_tokens for s in scheduled), time.perf_counter() - t0
             )
-        sampling = [s.request for s in scheduled if s.samples]
-        logits = self.runner.run(chunks)  # [len(sampling), vocab]
+        plain: list[tuple[Request, int]] = []  # (request, its logits row)
+        verify: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
+        row = 0
         for s in scheduled:
+            if s.num_draft_tokens:
+                verify.append((s, row))
+                row += 1 + s.num_draft_tokens
+                continue
+            samples = s.samples  # before num_computed_tokens moves
             s.request.num_computed_tokens += s.num_new_tokens
-        if not sampling:
-            return
-        rows = [
-            SamplingRow(
-                params=r.sampling_params,
-                generator=r.generator,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in sampling
-        ]
+            if samples:
+                plain.append((s.request, row))
+                row += 1
+        if plain:
+            self._sample_plain(logits, plain, deltas, finished)
+        if verify:
+            return self._verify(logits, verify, draft_probs, deltas, finished)
+        return 0, 0
+
+    def _emit(
+        self,
+        r: Request,
+        tokens: list[int],
+        lps: list[TokenLogprobs | None],
+        deltas: list[RequestDelta],
+        finished: list[RequestOutput],
+    ) -> RequestDelta:
+        delta = self._append(r, tokens, lps)
+        if r.spec is not None:
+            delta = dataclasses.replace(delta, spec=SpecStats.of(r))
+        if delta.finished:
+            final = RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else "")
+            delta = dataclasses.replace(delta, final=final)
+            finished.append(final)
+        deltas.append(delta)
+        return delta
+
+    def _sample_plain(
+        self,
+        logits: torch.Tensor,
+        plain: list[tuple[Request, int]],
+        deltas: list[RequestDelta],
+        finished: list[RequestOutput],
+    ) -> None:
+        reqs = [r for r, _ in plain]
+        rows = [_row(r) for r in reqs]
+        idx = [i for _, i in plain]
+        if idx != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(idx, device=logits.device)]
         out = self.sampler(logits, rows)
-        for r, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
-            delta = self._append(r, [tok], [lp])
-            if delta.finished:
-                final = RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else "")
-                delta = dataclasses.replace(delta, final=final)
-                finished.append(final)
-            deltas.append(delta)
+        for r, tok, lp in zip(reqs, out.token_ids, out.logprobs, strict=True):
+            self._emit(r, [tok], [lp], deltas, finished)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        verify: list[tuple[ScheduledRequest, int]],
+        draft_probs: torch.Tensor | None,
+        deltas: list[RequestDelta],
+        finished: list[RequestOutput],
+    ) -> tuple[int, int]:
+        """Rejection-sample the drafted tokens against the target's distributions."""
+        idx: list[int] = []
+        rows: list[SamplingRow] = []
+        for s, first in verify:
+            r, k = s.request, s.num_draft_tokens
+            idx.extend(range(first, first + k + 1))
+            rows.extend(_row(r, r.spec_draft_ids[:j]) for j in range(k + 1))
+        v_logits = logits[torch.tensor(idx, device=logits.device)]  # [sum(k + 1), vocab]
+        p = processed_probs(v_logits, rows)  # [sum(k + 1), vocab]
+        reqs = [s.request for s, _ in verify]
+        res = rejection_sample(
+            p,
+            [r.spec_draft_ids for r in reqs],
+            draft_probs,
+            [r.sampling_params.is_greedy for r in reqs],
+            [r.generator for r in reqs],
+        )
+        proposed = accepted = 0
+        base = 0
+        for (s, _), toks, a in zip(verify, res.token_ids, res.num_accepted, strict=True):
+            r, k = s.request, s.num_draft_tokens
+            lps: list[TokenLogprobs | None] = [None] * len(toks)
+            if r.sampling_params.logprobs is not None:
+                lps = token_logprobs(
+                    v_logits[base : base + len(toks)],
+                    rows[base : base + len(toks)],
+                    torch.tensor(toks, device=p.device),
+                )
+            base += k + 1
+            assert r.spec is not None
+            self.policy.update(r.spec, k, a)
+            proposed += k
+            accepted += a
+            num_tokens_before = r.num_tokens
+            r.num_computed_tokens += 1 + a  # the token verified plus the accepted drafts; the last emitted one is new
+            r.spec_draft_ids = []
+            delta = self._emit(r, toks, lps, deltas, finished)
+            if not delta.finished:
+                self.blocks.shrink(r.block_table, r.num_tokens)  # rejected positions' blocks go back
+                if self.proposer is not None:
+                    self.proposer.settle(r, num_tokens_before, k, a)
+        self.spec_totals["proposed"] += proposed
+        self.spec_totals["accepted"] += accepted
+        self.spec_totals["verify_steps"] += len(verify)
+        return proposed, accepted
 
     def _append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> RequestDelta:
         """Add sampled tokens to ``req`` one at a time, stopping at the first finish condition."""
@@ -381,6 +584,17 @@ class LLMEngine:
         self.blocks.pool.check([])
         if self.blocks.num_free_blocks != self.blocks.num_blocks:
             raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} blocks still in use")
+
+
+def _row(req: Request, drafts: list[int] | None = None) -> SamplingRow:
+    """The sampler's view of ``req``, as if ``drafts`` had been appended to its output."""
+    return SamplingRow(
+        params=req.sampling_params,
+        generator=req.generator,
+        prompt_token_ids=req.prompt_token_ids,
+        output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
+        eos_token_ids=req.eos_token_ids,
+    )
 
 
 def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:

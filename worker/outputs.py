@@ -32,6 +32,31 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding counters of one request (cumulative)."""
+
+    proposed: int  # draft tokens proposed
+    accepted: int  # of which the target accepted
+    verify_steps: int  # verification rounds (steps that verified at least one draft token)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed; 0.0 while nothing was proposed."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification round: 1 + accepted / verify_steps (vLLM's "mean
+        acceptance length"); 0.0 before the first round."""
+        return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+    @classmethod
+    def of(cls, req: Request) -> SpecStats | None:
+        st = req.spec
+        return None if st is None else cls(st.proposed, st.accepted, st.verify_steps)
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
     index: int
     text: str
@@ -39,6 +64,27 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs | None] | None  # per token, when SamplingParams.logprobs is set
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    spec: SpecStats | None = None  # speculative decoding counters; None when the request did not speculate
+
+    @property
+    def num_spec_proposed(self) -> int:
+        """Draft tokens proposed for this completion (0 without speculation)."""
+        return 0 if self.spec is None else self.spec.proposed
+
+    @property
+    def num_spec_accepted(self) -> int:
+        """Draft tokens the target accepted (0 without speculation)."""
+        return 0 if self.spec is None else self.spec.accepted
+
+    @property
+    def spec_token_acceptance_rate(self) -> float | None:
+        """num_spec_accepted / num_spec_proposed; None when nothing was proposed."""
+        return None if self.spec is None or not self.spec.proposed else self.spec.acceptance_rate
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification round (1 + accepted / rounds); None without rounds."""
+        return None if self.spec is None or not self.spec.verify_steps else self.spec.mean_accepted_length
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -71,6 +117,7 @@ class RequestOutput:
                     logprobs=list(req.output_logprobs) if want_lp else None,
                     finish_reason=None if req.finish_reason is None else req.finish_reason.value,
                     stop_reason=req.stop_reason,
+                    spec=SpecStats.of(req),
                 )
             ],
             finished=req.is_finished,
@@ -97,6 +144,7 @@ class RequestDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     final: RequestOutput | None = None  # on the finishing delta: the whole output, with usage and timings
+    spec: SpecStats | None = None  # the request's speculation counters so far; None when it does not speculate
 
 
 @dataclass(frozen=True)
@@ -108,6 +156,8 @@ class StepStats:
     num_preempted: int  # preemptions this step
     num_free_blocks: int
     step_time: float  # seconds
+    num_spec_proposed: int = 0  # draft tokens verified this step
+    num_spec_accepted: int = 0  # of which accepted
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from draftwise.worker.sampling_params import SamplingParams
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
-def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields take vLLM's defaults. ValueError (naming the field) when invalid."""
+def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptions | None = None) -> SamplingParams:
+    """Unset optional fields take vLLM's defaults; ``spec`` (the request's speculation
+    options) sets use_speculation and max_speculative_tokens. ValueError (naming the field)
+    when invalid."""
     kw: dict = {
         "top_k": msg.top_k,
         "min_p": msg.min_p,
@@ -27,6 +29,13 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in ("temperature", "top_p", "max_tokens", "seed", "repetition_penalty", "logprobs", "skip_special_tokens"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
+    if spec is not None:
+        if spec.HasField("enabled"):
+            kw["use_speculation"] = spec.enabled
+        if spec.HasField("max_speculative_tokens"):
+            if spec.max_speculative_tokens < 1:
+                raise ValueError(f"speculation.max_speculative_tokens must be >= 1, got {spec.max_speculative_tokens}")
+            kw["max_speculative_tokens"] = spec.max_speculative_tokens
     return SamplingParams(**kw)
 
 

@@ -15,6 +15,7 @@ from draftwise.worker.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from draftwise.worker.detokenizer import IncrementalDetokenizer
     from draftwise.worker.sampler import TokenLogprobs
+    from draftwise.worker.spec.policy import RequestSpecState
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +55,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # speculative decoding (None/empty when the engine or the request does not speculate)
+    spec: RequestSpecState | None = None  # policy state and counters
+    draft_block_table: list[int] = field(default_factory=list)  # the draft model's KV blocks
+    num_draft_computed: int = 0  # tokens whose draft KV is in the draft cache
+    spec_draft_ids: list[int] = field(default_factory=list)  # this step's drafted tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +82,11 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt plus output, as one new list."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

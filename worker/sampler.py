@@ -219,6 +219,8 @@ def processed_probs(
     logits = apply_penalties(logits, rows)
     logits = apply_min_tokens(logits, rows)
     greedy = [r.params.is_greedy for r in rows]
+    if all(greedy):  # one-hot rows only: no softmax to build
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
     temps = torch.tensor(
         [1.0 if g else r.params.temperature for r, g in zip(rows, greedy, strict=True)],
@@ -257,12 +259,12 @@ class Sampler:
             token_ids = apply_min_tokens(apply_penalties(logits.float(), rows), rows).argmax(dim=-1)
         else:
             probs = processed_probs(logits, rows)  # [num_rows, vocab]
-            token_ids = _sample(probs, rows)  # [num_rows]
+            token_ids = sample_from_probs(probs, rows)  # [num_rows]
         token_list = [int(t) for t in token_ids.tolist()]
-        return SamplerOutput(token_ids=token_list, logprobs=_logprobs(logits, rows, token_ids))
+        return SamplerOutput(token_ids=token_list, logprobs=token_logprobs(logits, rows, token_ids))
 
 
-def _sample(
+def sample_from_probs(
     probs: torch.Tensor,  # [num_rows, vocab]
     rows: Sequence[SamplingRow],
 ) -> torch.Tensor:  # [num_rows] int64
@@ -277,7 +279,7 @@ def _sample(
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(
+def token_logprobs(
     logits: torch.Tensor,  # [num_rows, vocab]
     rows: Sequence[SamplingRow],
     token_ids: torch.Tensor,  # [num_rows]

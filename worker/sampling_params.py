@@ -103,6 +103,10 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    use_speculation: bool = True
+    """Let the engine speculate for this request when it has a proposer (False: plain decoding)."""
+    max_speculative_tokens: int | None = None
+    """Cap on the tokens drafted per step for this request, >= 1; None: the engine's num_speculative_tokens."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are stored through this
@@ -150,8 +154,14 @@ class SamplingParams:
                 _check_int("logprobs", self.logprobs, logprobs_range, lambda v: 0 <= v <= MAX_LOGPROBS),
             )
 
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_speculation"):
             _check_bool(name, getattr(self, name))
+        if self.max_speculative_tokens is not None:
+            set_(
+                self,
+                "max_speculative_tokens",
+                _check_int("max_speculative_tokens", self.max_speculative_tokens, ">= 1 (or None)", lambda v: v >= 1),
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -6,11 +6,17 @@ scheduler serves running requests first, oldest first, then admits waiting ones 
 first served, within ``max_num_batched_tokens`` and ``max_num_seqs``. When blocks run out,
 the newest running request gives its blocks back and goes to the front of the queue, to be
 recomputed later: nothing is lost.
+
+With speculative decoding, a running request in decode (one uncomputed token) may also be
+given ``k`` draft positions to verify: ``lookahead(request, batch_size)`` says how many it
+wants; they count in the token budget and in the request's blocks, and are dropped rather
+than preempting anyone when blocks are short.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -39,12 +45,14 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens on
+    num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens on (drafts included)
+    num_draft_tokens: int = 0  # of which draft tokens to verify (speculative decoding)
 
     @property
     def samples(self) -> bool:
         """This step reaches the end of the sequence, so it yields logits for a new token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == r.num_tokens
 
 
 @dataclass
@@ -62,9 +70,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        on_release: Callable[[Request], None] | None = None,
+    ) -> None:
         self.config = config
         self.blocks = blocks
+        self.on_release = on_release  # called whenever a request's blocks are freed (draft KV goes too)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -83,9 +97,16 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.blocks.free(req.block_table)
+        self._release(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req.block_table)
+        if self.on_release is not None:
+            self.on_release(req)
+
+    def schedule(self, lookahead: Callable[[Request, int], int] | None = None) -> SchedulerOutput:
+        """The next step's batch. ``lookahead(request, batch_size)``: draft tokens a decoding
+        request wants verified this step (speculative decoding; None: none)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -97,6 +118,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
+        if lookahead is not None and budget > 0 and not out.preempted:
+            budget = self._add_drafts(out, budget, lookahead)
         if out.preempted:
             return out  # memory is short: admit nobody this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -114,6 +137,22 @@ class Scheduler:
             budget -= n
         return out
 
+    def _add_drafts(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Request, int], int]) -> int:
+        """Give decoding requests their draft positions, oldest first, while budget and free
+        blocks last (drafts never preempt anyone). Returns the budget left."""
+        batch_size = len(self.running)
+        for idx, s in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            req = s.request
+            if s.num_new_tokens != 1 or req.num_uncomputed_tokens != 1:
+                continue
+            k = min(lookahead(req, batch_size), budget)
+            if k > 0 and self.blocks.grow(req.block_table, req.num_computed_tokens + 1 + k):
+                out.scheduled[idx] = ScheduledRequest(req, 1 + k, k)
+                budget -= k
+        return budget
+
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Grow ``req``'s blocks for ``n`` more tokens, preempting the newest running
         requests as needed. False when ``req`` itself had to be preempted."""
@@ -127,7 +166,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.free(req.block_table)
+        self._release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

@@ -93,7 +93,7 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
                 f"unknown model {start.model!r}; this worker serves {self.model_name!r}",
             )
         try:
-            params = sampling_params_from_proto(start.sampling_params)
+            params = sampling_params_from_proto(start.sampling_params, start.speculation)
             prompt = prompt_from_proto(start.prompt)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

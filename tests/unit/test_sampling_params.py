@@ -99,6 +99,11 @@ INVALID: list[tuple[str, Any, dict[str, Any]]] = [
     ("skip_special_tokens", None, {}),
     ("include_stop_str_in_output", "false", {}),
     ("include_stop_str_in_output", 1, {}),
+    ("use_speculation", "yes", {}),
+    ("use_speculation", 0, {}),
+    ("max_speculative_tokens", 0, {}),
+    ("max_speculative_tokens", 2.0, {}),
+    ("max_speculative_tokens", True, {}),
 ]
 
 

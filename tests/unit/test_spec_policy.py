@@ -111,6 +111,11 @@ def test_cost_model_nearest_and_smoothing():
     c.record_target(4, 3.0)
     assert c.target_time(4) == pytest.approx(2.0)
     assert c.target_time(8) == pytest.approx(4.0)  # scaled from the nearest measurement
+    assert c.target_time(2) == pytest.approx(1.0)
+    c.record_target(12, 6.0)
+    assert c.target_time(8) == pytest.approx(4.0)  # interpolated between 4 (2.0) and 12 (6.0)
+    c.record_target(12, 2.0)  # smoothed: 6.0 -> 4.0
+    assert c.target_time(6) == pytest.approx(2.5)
 
 
 @pytest.mark.parametrize(
@@ -132,3 +137,24 @@ def test_update_validates():
     pol = SpeculationPolicy()
     with pytest.raises(ValueError, match="accepted"):
         pol.update(pol.new_state(), 2, 3)
+
+
+def test_costs_choosing_zero_still_probe_and_recover():
+    # The costs say k = 0 at batch 256; after probe_after such steps the request probes with
+    # k = 1, so a request never stays without fresh acceptance data forever.
+    costs = _costs(per_token=1e-4, fixed=8e-3, draft_fixed=1e-3, draft_per_seq=8e-5, sizes=range(1, 2400))
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, probe_after=4), costs)
+    st = pol.new_state()
+    assert [pol.choose_k(st, 256) for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert pol.choose_k(st, 256) == 0  # the count starts again
+    assert pol.choose_k(st, 1) > 0 and st.idle_steps == 0
+
+
+def test_estimate_is_smoothed_towards_the_prior():
+    pol = SpeculationPolicy(PolicyConfig(prior_acceptance=0.5, prior_weight=4.0))
+    st = pol.new_state()
+    assert pol.estimate(st) == pytest.approx(0.5)
+    pol.update(st, 4, 0)  # one empty round: not yet hopeless
+    assert pol.estimate(st) == pytest.approx(2 / 8)
+    pol.update(st, 4, 4)
+    assert pol.estimate(st) == pytest.approx(6 / 12)

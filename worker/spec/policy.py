@@ -11,7 +11,11 @@ Two layers:
    (1 - a^(k+1)) / (1 - a) tokens per step; the policy picks the k (zero included) up to the
    request's cap that gives the most tokens per second of step time at the current batch
    size, so speculation switches itself down where batches are large enough that it no
-   longer pays.
+   longer pays. A request for which the costs chose k = 0 for ``probe_after`` steps in a row
+   speculates once with k = 1, so that its acceptance estimate (and the costs) stay current.
+
+The acceptance estimate is smoothed towards ``prior_acceptance`` with ``prior_weight``
+pseudo-tokens, so that one unlucky round does not decide a request's fate.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class PolicyConfig:
     probe_after: int = 32  # plain steps after which an off request is probed again
     window: int = 8  # rounds of history behind the acceptance estimate
     prior_acceptance: float = 0.7  # acceptance assumed before a request has any history
+    prior_weight: float = 4.0  # pseudo-tokens of prior_acceptance mixed into the estimate
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -44,6 +49,8 @@ class PolicyConfig:
             raise ValueError("off_after, probe_after and window must be >= 1")
         if not 0.0 <= self.prior_acceptance < 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1), got {self.prior_acceptance}")
+        if self.prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
 
 
 @dataclass
@@ -55,8 +62,10 @@ class RequestSpecState:
     rounds: deque[tuple[int, int]] = field(default_factory=deque)  # recent (proposed, accepted)
     zero_streak: int = 0  # rounds in a row with nothing accepted
     off_steps: int | None = None  # plain steps since speculation went off (None: on)
+    idle_steps: int = 0  # steps in a row for which the costs chose k = 0
     proposed: int = 0  # totals, for reporting
     accepted: int = 0
+    verify_steps: int = 0  # verified rounds with at least one drafted token
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -76,8 +85,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class CostModel:
-    """Measured step times by batch size: an exponentially weighted mean per size, and the
-    nearest measured size when one has not been seen."""
+    """Measured step times by batch size: an exponentially weighted mean per size,
+    interpolated between measured sizes."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
@@ -96,12 +105,20 @@ class CostModel:
 
     @staticmethod
     def _lookup(table: dict[int, float], key: int) -> float | None:
+        """The measured time at ``key``; between two measured sizes, linear interpolation;
+        outside them, scaled in proportion from the nearest one."""
         if not table:
             return None
         if key in table:
             return table[key]
-        nearest = min(table, key=lambda k: (abs(k - key), k))
-        return table[nearest] * key / nearest  # scale linearly from the nearest measurement
+        below = max((k for k in table if k < key), default=None)
+        above = min((k for k in table if k > key), default=None)
+        if below is not None and above is not None:
+            w = (key - below) / (above - below)
+            return (1 - w) * table[below] + w * table[above]
+        nearest = below if above is None else above
+        assert nearest is not None
+        return table[nearest] * key / nearest
 
     def target_time(self, num_tokens: int) -> float | None:
         return self._lookup(self._verify, num_tokens)
@@ -129,9 +146,22 @@ class SpeculationPolicy:
                 state.off_steps += 1
                 return 0
             return 1  # probe
-        a = state.acceptance_rate
-        a = self.config.prior_acceptance if a is None else a
-        return self._best_k(a, state.cap, batch_size)
+        k = self._best_k(self.estimate(state), state.cap, batch_size)
+        if k > 0:
+            state.idle_steps = 0
+            return k
+        state.idle_steps += 1
+        if state.idle_steps > self.config.probe_after:
+            state.idle_steps = 0
+            return 1  # re-measure: acceptance and costs move
+        return 0
+
+    def estimate(self, state: RequestSpecState) -> float:
+        """Acceptance over the window, smoothed towards the prior."""
+        cfg = self.config
+        p = sum(r[0] for r in state.rounds)
+        a = sum(r[1] for r in state.rounds)
+        return (a + cfg.prior_acceptance * cfg.prior_weight) / (p + cfg.prior_weight)
 
     def _best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
         plain = self.costs.target_time(batch_size)
@@ -156,6 +186,7 @@ class SpeculationPolicy:
         cfg = self.config
         state.proposed += proposed
         state.accepted += accepted
+        state.verify_steps += 1
         state.rounds.append((proposed, accepted))
         while len(state.rounds) > cfg.window:
             state.rounds.popleft()

@@ -1,0 +1,141 @@
+"""The draft-model proposer: a small model with its own weights and its own paged KV cache
+proposes k tokens for many requests at once, in batched draft steps (DESIGN §4).
+
+Per request the draft cache holds the KV of the sequence's first ``req.num_draft_computed``
+tokens, in ``req.draft_block_table`` (blocks of this proposer's own pool). A proposal for a
+sequence of N tokens with k drafts:
+
+- step 0 (catch-up): the tokens the draft has not seen yet, ``[num_draft_computed, N)`` —
+  normally one (the token the target emitted last step) or two (a fully accepted round's
+  last draft plus the bonus token), the whole prompt the first time — with logits for the
+  last position: q_1, then d_1 ~ q_1;
+- steps 1..k-1: d_j alone at position N + j - 1: q_{j+1}, d_{j+1} ~ q_{j+1}.
+
+Requests with different k share the steps: a request drops out once it has its k tokens.
+Afterwards the draft cache holds N + k - 1 tokens; :meth:`DraftModelProposer.settle` keeps the
+first N + min(accepted, k - 1) of them (the accepted prefix; rejected positions are simply
+forgotten: their slots are overwritten later) and gives back blocks beyond.
+
+q_j is built by :func:`~draftwise.worker.sampler.processed_probs` from the request's own
+SamplingParams, over the output *including the drafts before j*, exactly as the engine
+builds the target's p_j, so penalties, min_tokens, temperature, top-k/p and min-p shape both
+the same way. Draft tokens are drawn from the request's own generator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.worker.block_manager import BlockManager
+from draftwise.worker.kv_cache import KVCache
+from draftwise.worker.loader import LoadedModel
+from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+from draftwise.worker.request import Request
+from draftwise.worker.sampler import SamplingRow, processed_probs, sample_from_probs
+
+__all__ = ["DraftModelProposer", "DraftProposal"]
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """Drafts for a batch of requests, in the order given."""
+
+    token_ids: list[list[int]]  # per request, k_i tokens
+    probs: torch.Tensor  # [sum k_i, target vocab] float32: q at each drafted position, request after request
+    seconds: float  # wall time of the draft steps
+    num_steps: int  # draft forward passes run
+
+
+class DraftModelProposer:
+    """A draft model, its KV cache and its block pool."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab: int) -> None:
+        if loaded.config.vocab_size > target_vocab:
+            raise ValueError(
+                f"the draft's vocabulary ({loaded.config.vocab_size}) is larger than the target's ({target_vocab}): "
+                "draft and target must share a tokenizer"
+            )
+        self.loaded = loaded
+        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+        self.runner = ModelRunner(loaded, self.kv_cache)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.target_vocab = target_vocab
+        self.device = loaded.device
+
+    @property
+    def max_positions(self) -> int:
+        return self.loaded.config.max_position_embeddings
+
+    def _rows(self, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]) -> list[SamplingRow]:
+        return [
+            SamplingRow(
+                params=r.sampling_params,
+                generator=r.generator,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids + list(d) if d else r.output_token_ids,
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r, d in zip(reqs, drafts, strict=True)
+        ]
+
+    def _draw(
+        self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """q from draft logits ([n, draft vocab]) padded to the target's vocabulary, and one token per row."""
+        rows = self._rows(reqs, drafts)
+        q = processed_probs(logits, rows)  # [n, draft vocab]
+        if q.shape[1] < self.target_vocab:  # a draft with a smaller (unpadded) vocabulary: q = 0 beyond it
+            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))
+        toks = sample_from_probs(q, rows)  # greedy rows: q is one-hot, nothing is drawn
+        return q, [int(t) for t in toks.tolist()]
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> DraftProposal:
+        """Draft ``ks[i] >= 1`` tokens for each of ``reqs``. The draft block tables must be
+        able to grow (the engine sizes the draft pool so that they always can)."""
+        t0 = time.perf_counter()
+        n = len(reqs)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        ends = [r.num_tokens for r in reqs]
+        for r, k, end in zip(reqs, ks, ends, strict=True):
+            if k < 1:
+                raise ValueError(f"request {r.request_id}: k must be >= 1, got {k}")
+            if not self.blocks.grow(r.draft_block_table, end + k - 1):
+                raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
+        chunks = [
+            SequenceChunk(r.token_slice(r.num_draft_computed, end), r.num_draft_computed, r.draft_block_table, 1)
+            for r, end in zip(reqs, ends, strict=True)
+        ]
+        logits = self.runner.run(chunks)  # [n, draft vocab]
+        q, toks = self._draw(logits, reqs, drafts)
+        for i in range(n):
+            reqs[i].num_draft_computed = ends[i]
+            drafts[i].append(toks[i])
+            q_rows[i].append(q[i])
+        steps = 1
+        for j in range(1, max(ks)):
+            active = [i for i in range(n) if ks[i] > j]
+            chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j - 1, reqs[i].draft_block_table, 1) for i in active]
+            logits = self.runner.run(chunks)  # [len(active), draft vocab]
+            q, toks = self._draw(logits, [reqs[i] for i in active], [drafts[i] for i in active])
+            for row, i in enumerate(active):
+                reqs[i].num_draft_computed = ends[i] + j
+                drafts[i].append(toks[row])
+                q_rows[i].append(q[row])
+            steps += 1
+        probs = torch.stack([t for rows in q_rows for t in rows])  # [sum k, target vocab]
+        return DraftProposal(token_ids=drafts, probs=probs, seconds=time.perf_counter() - t0, num_steps=steps)
+
+    def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
+        """After verification: keep the draft KV of the accepted prefix only."""
+        req.num_draft_computed = num_tokens_before + min(accepted, k - 1)
+        self.blocks.shrink(req.draft_block_table, req.num_draft_computed)
+
+    def release(self, req: Request) -> None:
+        """Free the request's draft blocks (finished, aborted or preempted)."""
+        self.blocks.free(req.draft_block_table)
+        req.num_draft_computed = 0
