@@ -574,16 +574,28 @@ class LLMEngine:
         )
 
     def check_invariants(self) -> None:
-        """Every block is owned once by the request holding it, or free (tests call this)."""
-        self.blocks.pool.check(r.block_table for r in [*self.scheduler.running, *self.scheduler.waiting])
+        """Every block (target pool, and the draft pool with a draft model) is owned once by
+        the request holding it, or free; no request's draft KV runs ahead of its tokens
+        (tests call this)."""
+        reqs = [*self.scheduler.running, *self.scheduler.waiting]
+        self.blocks.pool.check(r.block_table for r in reqs)
+        if self.proposer is not None:
+            self.proposer.blocks.pool.check(r.draft_block_table for r in reqs)
+            for r in reqs:
+                if r.num_draft_computed > r.num_tokens:
+                    raise AssertionError(f"{r.request_id}: draft KV of {r.num_draft_computed} > {r.num_tokens} tokens")
 
     def check_idle_invariants(self) -> None:
-        """With no request left, every block must be free (tests call this)."""
+        """With no request left, every block of every pool must be free (tests call this)."""
         if self.scheduler.num_unfinished:
             raise AssertionError(f"{self.scheduler.num_unfinished} requests unfinished")
-        self.blocks.pool.check([])
-        if self.blocks.num_free_blocks != self.blocks.num_blocks:
-            raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} blocks still in use")
+        pools = [("target", self.blocks)]
+        if self.proposer is not None:
+            pools.append(("draft", self.proposer.blocks))
+        for name, blocks in pools:
+            blocks.pool.check([])
+            if blocks.num_free_blocks != blocks.num_blocks:
+                raise AssertionError(f"{blocks.num_blocks - blocks.num_free_blocks} {name} blocks still in use")
 
 
 def _row(req: Request, drafts: list[int] | None = None) -> SamplingRow:
