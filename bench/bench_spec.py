@@ -1,0 +1,332 @@
+"""Speculative decoding benchmarks on the embedded default pair (target 10M, draft 3M),
+float32 on CPU; every ratio comes from measurements of the same run:
+
+1. ``greedy``: batch 1, held-out standard-library code as prompts, 256 new tokens, greedy:
+   acceptance rate, mean accepted length, speedup over our own plain decoding and over
+   transformers' assisted generation with the same pair (and its plain ``generate``).
+2. ``ngram``: n-gram prompt lookup on a prompt that asks to repeat a block of code with an
+   edit, against our plain decoding.
+3. ``concurrency``: output tokens/s with and without speculation (the adaptive policy) at
+   concurrency 1, 4, 16 and 64.
+4. ``temperature``: batch 1 at temperature 0.7 (seeded): acceptance rate and speedup.
+
+    python bench/bench_spec.py [--only greedy,ngram,concurrency,temperature] [--threads 2]
+
+Results go to docs/benchmarks.md (section ``speculative``) and bench/results/spec.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, heldout_prompts, heldout_texts, machine, write_section  # noqa: E402
+
+from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
+
+NEW_TOKENS = 256
+NUM_PROMPTS = 4  # batch-1 runs go through this many held-out prompts one after another
+
+
+def _llm(**spec) -> LLM:
+    return LLM(dtype="float32", **spec)
+
+
+def _spec_stats(outs) -> dict:
+    prop = sum(o.outputs[0].num_spec_proposed for o in outs)
+    acc = sum(o.outputs[0].num_spec_accepted for o in outs)
+    rounds = sum(o.outputs[0].spec.verify_steps for o in outs if o.outputs[0].spec is not None)
+    return {
+        "proposed": prop,
+        "accepted": acc,
+        "verify_steps": rounds,
+        "acceptance_rate": acc / prop if prop else 0.0,
+        "mean_accepted_length": 1 + acc / rounds if rounds else 0.0,
+    }
+
+
+def _sequential(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
+    """Run the prompts one at a time (batch 1); seconds and outputs."""
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params, strict=True)]
+    return time.perf_counter() - t, outs
+
+
+def _hf_models():
+    from transformers import AutoModelForCausalLM
+
+    def load(which):
+        return AutoModelForCausalLM.from_pretrained(
+            default_model_path(which), dtype=torch.float32, local_files_only=True
+        ).eval()
+
+    return load("target"), load("draft")
+
+
+def _hf_run(target, prompts, assistant=None) -> tuple[float, list[list[int]]]:
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if assistant is not None:
+        gen["assistant_model"] = assistant
+    outs = []
+    with torch.no_grad():
+        target.generate(torch.tensor([prompts[0]]), **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
+        t = time.perf_counter()
+        for p in prompts:
+            ids = torch.tensor([p])
+            outs.append(target.generate(ids, **gen)[0, len(p) :].tolist())
+        return time.perf_counter() - t, outs
+
+
+def bench_greedy(prompts: list[list[int]]) -> dict:
+    n_tokens = NEW_TOKENS * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+    plain_s, plain = _sequential(_llm(), prompts, params)
+    ref = [o.outputs[0].token_ids for o in plain]
+    rows = {}
+    for name, spec in [
+        ("adaptive (default: k <= 5)", dict(speculative_model="default")),
+        ("fixed k=2", dict(speculative_model="default", num_speculative_tokens=2, speculative_adaptive=False)),
+        ("fixed k=3", dict(speculative_model="default", num_speculative_tokens=3, speculative_adaptive=False)),
+        ("fixed k=5", dict(speculative_model="default", num_speculative_tokens=5, speculative_adaptive=False)),
+    ]:
+        s, outs = _sequential(_llm(**spec), prompts, params)
+        rows[name] = {
+            "seconds": s,
+            "tokens_per_s": n_tokens / s,
+            "speedup_vs_plain": plain_s / s,
+            "same_tokens_as_plain": [o.outputs[0].token_ids for o in outs] == ref,
+            **_spec_stats(outs),
+        }
+        print(name, json.dumps(rows[name]), flush=True)
+    hf_t, hf_d = _hf_models()
+    hf_plain_s, hf_plain = _hf_run(hf_t, prompts)
+    hf_assist_s, hf_assist = _hf_run(hf_t, prompts, assistant=hf_d)
+    best = rows["adaptive (default: k <= 5)"]
+    return {
+        "prompts": len(prompts),
+        "new_tokens": NEW_TOKENS,
+        "plain_s": plain_s,
+        "plain_tokens_per_s": n_tokens / plain_s,
+        "spec": rows,
+        "hf_generate_s": hf_plain_s,
+        "hf_generate_tokens_per_s": n_tokens / hf_plain_s,
+        "hf_assisted_s": hf_assist_s,
+        "hf_assisted_tokens_per_s": n_tokens / hf_assist_s,
+        "hf_assisted_same_tokens": hf_assist == ref,
+        "hf_generate_same_tokens": hf_plain == ref,
+        "speedup_vs_plain": plain_s / best["seconds"],
+        "speedup_vs_hf_assisted": hf_assist_s / best["seconds"],
+        "speedup_vs_hf_generate": hf_plain_s / best["seconds"],
+    }
+
+
+def _edit_prompt(tokenizer) -> list[int]:
+    """A block of held-out code, then a request to write it again with one name changed, and
+    the start of the copy."""
+    text = next(t for t in heldout_texts() if "def " in t)
+    start = text.index("def ")
+    block = text[start : start + 1500]
+    block = block[: block.rfind("\n")]
+    name = block[4 : block.index("(")]
+    prompt = (
+        f"{block}\n\n\n# The same function again, with `{name}` renamed to `{name}_v2` and nothing else changed:\n\n"
+        f"def {name}_v2("
+    )
+    return tokenizer.encode(prompt)
+
+
+def bench_ngram(tokenizer) -> dict:
+    prompt = _edit_prompt(tokenizer)
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)]
+    plain_s, plain = _sequential(_llm(), [prompt], params)
+    out = {"prompt_tokens": len(prompt), "plain_s": plain_s, "plain_tokens_per_s": NEW_TOKENS / plain_s}
+    for name, spec in [
+        ("adaptive (default: k <= 5)", dict(speculative_method="ngram")),
+        ("fixed k=5", dict(speculative_method="ngram", num_speculative_tokens=5, speculative_adaptive=False)),
+    ]:
+        s, outs = _sequential(_llm(**spec), [prompt], params)
+        out[name] = {
+            "seconds": s,
+            "tokens_per_s": NEW_TOKENS / s,
+            "speedup_vs_plain": plain_s / s,
+            "same_tokens_as_plain": outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids,
+            **_spec_stats(outs),
+        }
+        print("ngram", name, json.dumps(out[name]), flush=True)
+    out["sample"] = tokenizer.decode(plain[0].outputs[0].token_ids[:120])
+    return out
+
+
+def _throughput(llm: LLM, prompts: list[list[int]], concurrency: int, new_tokens: int) -> tuple[float, list]:
+    """``len(prompts)`` requests kept ``concurrency`` at a time in the engine; seconds, outputs."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    queue = list(enumerate(prompts))
+    outs = {}
+    t = time.perf_counter()
+    while queue or engine.has_unfinished_requests():
+        while queue and engine.num_unfinished_requests < concurrency:
+            i, p = queue.pop(0)
+            engine.add_request(f"c{concurrency}-{i}", p, params)
+        for o in engine.step().finished:
+            outs[o.request_id] = o
+    return time.perf_counter() - t, list(outs.values())
+
+
+def bench_concurrency(tokenizer, levels=(1, 4, 16, 64), new_tokens: int = 128) -> list[dict]:
+    rows = []
+    plain_llm, spec_llm = _llm(), _llm(speculative_model="default")
+    for c in levels:
+        n = max(2 * c, 4)
+        prompts = heldout_prompts(tokenizer, n, (32, 256), seed=100 + c)
+        _throughput(plain_llm, prompts[:2], min(c, 2), 8)  # warm-up
+        _throughput(spec_llm, prompts[:2], min(c, 2), 8)
+        plain_s, _ = _throughput(plain_llm, prompts, c, new_tokens)
+        spec_s, outs = _throughput(spec_llm, prompts, c, new_tokens)
+        row = {
+            "concurrency": c,
+            "requests": n,
+            "new_tokens": new_tokens,
+            "plain_tokens_per_s": n * new_tokens / plain_s,
+            "spec_tokens_per_s": n * new_tokens / spec_s,
+            "ratio": plain_s / spec_s,
+            **_spec_stats(outs),
+        }
+        rows.append(row)
+        print("concurrency", json.dumps(row), flush=True)
+    return rows
+
+
+def bench_temperature(prompts: list[list[int]]) -> dict:
+    n_tokens = NEW_TOKENS * len(prompts)
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=NEW_TOKENS, ignore_eos=True, seed=i) for i in range(len(prompts))
+    ]
+    plain_s, _ = _sequential(_llm(), prompts, params)
+    out = {"plain_s": plain_s, "plain_tokens_per_s": n_tokens / plain_s}
+    for name, spec in [
+        ("adaptive (default: k <= 5)", dict(speculative_model="default")),
+        ("fixed k=3", dict(speculative_model="default", num_speculative_tokens=3, speculative_adaptive=False)),
+    ]:
+        s, outs = _sequential(_llm(**spec), prompts, params)
+        out[name] = {"seconds": s, "tokens_per_s": n_tokens / s, "speedup_vs_plain": plain_s / s, **_spec_stats(outs)}
+        print("temperature", name, json.dumps(out[name]), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="greedy,ngram,concurrency,temperature")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    which = set(args.only.split(","))
+    out_path = ROOT / "bench" / "results" / "spec.json"
+    results: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
+    results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
+    tokenizer = _llm().get_tokenizer()
+    prompts = heldout_prompts(tokenizer, NUM_PROMPTS, (64, 128), seed=0)
+    steps = [
+        ("greedy", lambda: bench_greedy(prompts)),
+        ("ngram", lambda: bench_ngram(tokenizer)),
+        ("concurrency", lambda: bench_concurrency(tokenizer)),
+        ("temperature", lambda: bench_temperature(prompts)),
+    ]
+    for name, fn in steps:
+        if name in which:
+            results[name] = fn()
+            out_path.parent.mkdir(exist_ok=True)
+            out_path.write_text(json.dumps(results, indent=1) + "\n")  # each result as soon as it exists
+    write_section("speculative", render(results))
+
+
+def _spec_rows(rows: dict, ref_name: str) -> list[str]:
+    lines = [
+        f"| configuration | tokens/s | speedup vs {ref_name} | acceptance rate | mean accepted length | same tokens |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in rows.items():
+        same = r.get("same_tokens_as_plain", "n/a (sampled)")
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:.1f} | **{r['speedup_vs_plain']:.2f}x** | {r['acceptance_rate']:.3f} | "
+            f"{r['mean_accepted_length']:.2f} | {same} |"
+        )
+    return lines
+
+
+def render(r: dict) -> str:
+    lines = [
+        "## Speculative decoding (default pair, float32, CPU)",
+        "",
+        f"Command: `python bench/bench_spec.py` — {r.get('date')}, {r.get('machine')}",
+        "",
+        "Acceptance rate = accepted / proposed draft tokens; mean accepted length = tokens emitted",
+        "per verification step (1 + accepted / steps), as vLLM reports it.",
+        "",
+    ]
+    if "greedy" in r:
+        g = r["greedy"]
+        lines += [
+            f"### 1. Batch 1, greedy, {g['prompts']} held-out prompts one after another, {g['new_tokens']} new tokens each",
+            "",
+            f"Plain decoding: {g['plain_tokens_per_s']:.1f} tokens/s.",
+            "",
+            *_spec_rows(g["spec"], "plain"),
+            "",
+            "| reference | tokens/s | draftwise adaptive speculation vs it |",
+            "| --- | --- | --- |",
+            f"| draftwise plain decoding | {g['plain_tokens_per_s']:.1f} | **{g['speedup_vs_plain']:.2f}x** (goal 1.8x) |",
+            f"| transformers assisted generation, same pair | {g['hf_assisted_tokens_per_s']:.1f} | "
+            f"**{g['speedup_vs_hf_assisted']:.2f}x** (goal 2x) |",
+            f"| transformers `generate` (no assistant) | {g['hf_generate_tokens_per_s']:.1f} | {g['speedup_vs_hf_generate']:.2f}x |",
+            "",
+            f"transformers' outputs equal ours: plain {g['hf_generate_same_tokens']}, assisted {g['hf_assisted_same_tokens']}.",
+            "",
+        ]
+    if "ngram" in r:
+        n = r["ngram"]
+        rows = {k: v for k, v in n.items() if isinstance(v, dict)}
+        lines += [
+            f"### 2. N-gram prompt lookup: repeat a block of held-out code with one name changed ({n['prompt_tokens']}-token prompt, {NEW_TOKENS} new tokens, greedy)",
+            "",
+            f"Plain decoding: {n['plain_tokens_per_s']:.1f} tokens/s.",
+            "",
+            *_spec_rows(rows, "plain"),
+            "",
+        ]
+    if "concurrency" in r:
+        lines += [
+            "### 3. Throughput with and without speculation (adaptive policy), greedy, 128 new tokens, held-out prompts of 32-256 tokens",
+            "",
+            "| concurrency | requests | plain tokens/s | speculative tokens/s | ratio (goal >= 0.95) | acceptance rate | mean accepted length |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for c in r["concurrency"]:
+            lines.append(
+                f"| {c['concurrency']} | {c['requests']} | {c['plain_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | "
+                f"**{c['ratio']:.2f}x** | {c['acceptance_rate']:.3f} | {c['mean_accepted_length']:.2f} |"
+            )
+        lines.append("")
+    if "temperature" in r:
+        t = r["temperature"]
+        rows = {k: v for k, v in t.items() if isinstance(v, dict)}
+        lines += [
+            "### 4. Temperature 0.7 (seeded), batch 1, same prompts as 1",
+            "",
+            f"Plain decoding: {t['plain_tokens_per_s']:.1f} tokens/s.",
+            "",
+            *_spec_rows(rows, "plain"),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
