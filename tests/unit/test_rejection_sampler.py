@@ -235,6 +235,31 @@ def test_greedy_accepts_while_argmax_matches_then_emits_argmax() -> None:
         assert out.num_accepted == [3, 2, 0]
 
 
+def test_all_greedy_fast_path_matches_the_general_path() -> None:
+    """An all-greedy batch takes a shortcut; its rows must come out as they do next to a
+    sampling row (which sends the batch down the general, vectorised path)."""
+    g = torch.Generator().manual_seed(21)
+    ks = [0, 3, 1, 5, 2]
+    vocab = 7
+    p = torch.rand(sum(ks) + len(ks), vocab, generator=g).softmax(-1)
+    best = p.argmax(-1).tolist()
+    drafts, row = [], 0
+    for k in ks:  # drafts that follow the argmax for a while, then may stray
+        d = [
+            best[row + j] if torch.rand(1, generator=g).item() < 0.7 else (best[row + j] + 1) % vocab for j in range(k)
+        ]
+        drafts.append(d)
+        row += k + 1
+    fast = rejection_sample(p, drafts, None, [True] * len(ks), [None] * len(ks))
+    extra_p = torch.cat([p, dist(1, 2, 3, 4, 5, 6, 7).repeat(3, 1)])
+    mixed = rejection_sample(
+        extra_p, [*drafts, [0, 1]], None, [True] * len(ks) + [False], [None] * len(ks) + [new_generator(0)]
+    )
+    assert fast.token_ids == mixed.token_ids[:-1]
+    assert fast.num_accepted == mixed.num_accepted[:-1]
+    assert any(0 < a < k for a, k in zip(fast.num_accepted, ks, strict=True))
+
+
 def test_greedy_rows_ignore_the_generator() -> None:
     p = dist(0.1, 0.5, 0.2, 0.2).repeat(3, 1)  # [3, 4]
     gen = new_generator(9)

@@ -45,7 +45,8 @@ class DraftProposal:
     """Drafts for a batch of requests, in the order given."""
 
     token_ids: list[list[int]]  # per request, k_i tokens
-    probs: torch.Tensor  # [sum k_i, target vocab] float32: q at each drafted position, request after request
+    probs: torch.Tensor | None  # [sum k_i, target vocab] float32: q at each drafted position, request after
+    # request; None when every request is greedy (the verifier then needs no q)
     seconds: float  # wall time of the draft steps
     num_steps: int  # draft forward passes run
 
@@ -127,7 +128,8 @@ class DraftModelProposer:
                 drafts[i].append(toks[row])
                 q_rows[i].append(q[row])
             steps += 1
-        probs = torch.stack([t for rows in q_rows for t in rows])  # [sum k, target vocab]
+        greedy = all(r.sampling_params.is_greedy for r in reqs)
+        probs = None if greedy else torch.stack([t for rows in q_rows for t in rows])  # [sum k, target vocab]
         return DraftProposal(token_ids=drafts, probs=probs, seconds=time.perf_counter() - t0, num_steps=steps)
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:

@@ -90,6 +90,22 @@ def _check_inputs(
     return ks
 
 
+def _greedy(target_probs: torch.Tensor, draft_token_ids: Sequence[Sequence[int]], ks: list[int]) -> RejectionOutput:
+    """All rows greedy: one argmax over the batch, then accept while the drafts match it."""
+    best = target_probs.argmax(dim=-1).tolist()  # [sum(k_i + 1)]
+    token_ids: list[list[int]] = []
+    num_accepted: list[int] = []
+    row = 0
+    for ids, k in zip(draft_token_ids, ks, strict=True):
+        a = 0
+        while a < k and int(ids[a]) == best[row + a]:
+            a += 1
+        token_ids.append([int(t) for t in ids[:a]] + [best[row + a]])
+        num_accepted.append(a)
+        row += k + 1
+    return RejectionOutput(token_ids=token_ids, num_accepted=num_accepted)
+
+
 @torch.no_grad()
 def rejection_sample(
     target_probs: torch.Tensor,  # [sum(k_i + 1), vocab] float32: p at each draft position + bonus, request after request
@@ -111,6 +127,8 @@ def rejection_sample(
     num_reqs = len(ks)
     if num_reqs == 0:
         return RejectionOutput(token_ids=[], num_accepted=[])
+    if all(greedy):
+        return _greedy(target_probs, draft_token_ids, ks)
     device = target_probs.device
     max_k = max(ks)
     target_start = [0] * num_reqs  # row of request i's first position in target_probs
