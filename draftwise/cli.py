@@ -1,6 +1,7 @@
 """The ``draftwise`` command.
 
 draftwise serve [--workers 2] [--port 50051] [--model FOLDER]   # gateway + workers on this machine
+draftwise serve --speculative-model default                     # ... with speculative decoding
 draftwise generate "def fibonacci(n):"                           # greedy, in-process, embedded default model
 draftwise generate "def fibonacci(n):" --server 127.0.0.1:50051  # streamed from a running server
 """
@@ -28,6 +29,15 @@ ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--num-kv-blocks", int, "exact KV block count per worker"),
     ("--kv-cache-memory-bytes", int, "KV budget in bytes per worker"),
     ("--gpu-memory-utilization", float, "CUDA: share of device memory per worker"),
+    (
+        "--speculative-model",
+        str,
+        "speculative decoding with this draft checkpoint folder, or 'default' (the embedded draft)",
+    ),
+    ("--speculative-method", str, "draft | ngram (default: draft when --speculative-model is given)"),
+    ("--num-speculative-tokens", int, "most tokens drafted per request per step (default 5)"),
+    ("--prompt-lookup-min", int, "ngram: shortest suffix matched in the prompt and output (default 1)"),
+    ("--prompt-lookup-max", int, "ngram: longest suffix tried first (default 4)"),
 )
 """Worker flags ``draftwise serve`` accepts and passes on (only those given)."""
 
@@ -138,6 +148,8 @@ def _serve(args: argparse.Namespace) -> int:
             worker_args += [flag, str(value)]
     if args.enforce_eager:
         worker_args.append("--enforce-eager")
+    if args.speculative_adaptive is not None:
+        worker_args.append("--speculative-adaptive" if args.speculative_adaptive else "--no-speculative-adaptive")
     try:
         configure_logging(args.log_format, args.log_level)
         cfg = ServeConfig(
@@ -191,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag, type_, help_ in ENGINE_FLAGS:
         s.add_argument(flag, type=type_, default=None, help=help_)
     s.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    s.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let the speculation policy pick k <= --num-speculative-tokens per request and step "
+        "(default); --no-speculative-adaptive: always draft exactly that many",
+    )
     s.add_argument(
         "--threads-per-worker", type=int, default=None, help="CPU threads per worker (default: cores shared)"
     )

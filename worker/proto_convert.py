@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
-from draftwise.worker.outputs import RequestDelta
+from draftwise.worker.outputs import RequestDelta, SpecStats
 from draftwise.worker.sampler import TokenLogprobs
 from draftwise.worker.sampling_params import SamplingParams
 
@@ -60,7 +60,9 @@ def _logprob(lp: TokenLogprobs | None) -> pb.TokenLogprob:
 
 
 def events_from_delta(d: RequestDelta) -> list[pb.GenerationEvent]:
-    """A delta event (when it carries tokens or text), then a finished event when it ends."""
+    """A delta event (when it carries tokens or text), then a finished event when it ends.
+    A speculating request's delta carries its cumulative counters (``TokenDelta.speculation``);
+    its finished event, the totals (``Usage.speculative_*_tokens``)."""
     return [r.event for r in responses_from_delta(d)]
 
 
@@ -78,6 +80,8 @@ def responses_from_delta(d: RequestDelta) -> list[wpb.WorkerServiceGenerateRespo
         delta.first_token_index = d.first_token_index
         if d.logprobs:
             delta.logprobs.extend(_logprob(lp) for lp in d.logprobs)
+        if d.spec is not None:
+            fill_speculation_stats(delta.speculation, d.spec)
         out.append(resp)
     if d.finished:
         resp = wpb.WorkerServiceGenerateResponse()
@@ -85,6 +89,16 @@ def responses_from_delta(d: RequestDelta) -> list[wpb.WorkerServiceGenerateRespo
         resp.event.finished.CopyFrom(finished_from_delta(d))
         out.append(resp)
     return out
+
+
+def fill_speculation_stats(msg: pb.SpeculationStats, spec: SpecStats) -> None:
+    """Set every field of ``msg`` (which marks it present, zeros included) from ``spec``."""
+    msg.proposed_tokens = spec.proposed
+    msg.accepted_tokens = spec.accepted
+    msg.acceptance_rate = spec.acceptance_rate
+    msg.mean_accepted_length = spec.mean_accepted_length
+    msg.verify_steps = spec.verify_steps
+    msg.SetInParent()  # present even while every counter is still 0
 
 
 def finished_from_delta(d: RequestDelta) -> pb.Finished:
@@ -96,7 +110,10 @@ def finished_from_delta(d: RequestDelta) -> pb.Finished:
     out = d.final
     if out is not None:
         msg.usage.prompt_tokens = len(out.prompt_token_ids)
-        msg.usage.completion_tokens = len(out.outputs[0].token_ids)
+        completion = out.outputs[0]
+        msg.usage.completion_tokens = len(completion.token_ids)
+        msg.usage.speculative_proposed_tokens = completion.num_spec_proposed
+        msg.usage.speculative_accepted_tokens = completion.num_spec_accepted
         m = out.metrics
         if m.queue_time is not None:
             msg.timings.queue_ms = m.queue_time * 1000

@@ -1,0 +1,295 @@
+"""Speculative decoding served end to end: ``draftwise serve`` passes the speculation flags
+on to its worker; greedy output is token for token what plain decoding gives; every delta
+of a speculating request carries cumulative counters (``TokenDelta.speculation``), its
+Finished event the totals (``Usage``), which the gateway's metrics count; per-request
+``SpeculationOptions`` turn speculation off or cap k, and a bad one is INVALID_ARGUMENT;
+a bad combination of flags ends ``draftwise serve`` with the worker's error, not a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import selectors
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+from draftwise.v1 import generation_pb2 as pb
+from draftwise.worker import SamplingParams
+from tests.integration.conftest import reference_outputs
+from tests.integration.procs import ENGINE_ARGS, MODEL_NAME, child_env
+from tests.integration.prompts import BASES
+from tests.integration.rpc import Result, start, start_req
+
+LISTENING = re.compile(
+    r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 worker; metrics on http://127\.0\.0\.1:(\d+)/metrics\); "
+    r"Ctrl-C stops$"
+)
+MAX_TOKENS = 32
+K = 4  # --num-speculative-tokens of the draft-model server
+
+
+class Serve:
+    """``draftwise serve`` with one worker, a gRPC port and a metrics port, both free ones."""
+
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.log_path = tmp / "serve.log"
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "draftwise.cli", "serve", "--workers=1", "--port=0", "--metrics-port=0"]
+                + ["--log-format=json", *ENGINE_ARGS, *flags],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=child_env(),
+                cwd=tmp,
+                text=True,
+            )
+        sel = selectors.DefaultSelector()
+        sel.register(self.popen.stdout, selectors.EVENT_READ)
+        line = self.popen.stdout.readline().rstrip("\n") if sel.select(180) else ""
+        m = LISTENING.match(line)
+        if not m:
+            self.close()
+            raise AssertionError(f"draftwise serve did not start: {line!r}\n{self.log_path.read_text()[-4000:]}")
+        self.model, self.address, self.metrics_port = m.group(1), f"127.0.0.1:{m.group(2)}", int(m.group(3))
+
+    def scrape(self) -> dict[str, float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()  # workers are stopped by serve (and exit by themselves if it dies)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+@dataclass
+class Run:
+    """One request as a client saw it: its events, and the speculation counters of each delta."""
+
+    result: Result
+    spec: list[pb.SpeculationStats | None] = field(default_factory=list)  # per delta; None where unset
+
+    @property
+    def usage(self) -> pb.Usage:
+        assert self.result.kind == "finished", self.result.final
+        return self.result.final.finished.usage
+
+
+def spec_start(rid: str, prompt: str, spec: pb.SpeculationOptions | None = None, **params: object):
+    s = start(rid, prompt, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0, **params)
+    if spec is not None:
+        s.speculation.CopyFrom(spec)
+    return s
+
+
+async def _stream(address: str, starts: list[pb.StartGeneration]) -> dict[str, Run]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = gsgrpc.GenerateServiceStub(ch).Generate(timeout=120)
+        for s in starts:
+            await call.write(start_req(s))
+        await call.done_writing()
+        runs: dict[str, Run] = {}
+        async for resp in call:
+            ev = resp.event
+            run = runs.setdefault(ev.request_id, Run(Result(ev.request_id)))
+            run.result.add(ev)
+            if ev.WhichOneof("kind") == "delta":
+                run.spec.append(ev.delta.speculation if ev.delta.HasField("speculation") else None)
+        assert await call.code() == grpc.StatusCode.OK
+        return runs
+
+
+def stream(address: str, starts: list[pb.StartGeneration]) -> dict[str, Run]:
+    return asyncio.run(_stream(address, starts))
+
+
+def reference_tokens(llm, prompts: list[str]) -> list[list[int]]:
+    outs = reference_outputs(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_cumulative(run: Run) -> pb.SpeculationStats:
+    """Counters on every delta, never decreasing, consistent; returns the last."""
+    assert run.spec and all(s is not None for s in run.spec), f"{run.result.request_id}: a delta without counters"
+    prev = (0, 0, 0)
+    for s in run.spec:
+        now = (s.proposed_tokens, s.accepted_tokens, s.verify_steps)
+        assert all(b >= a for a, b in zip(prev, now, strict=True)), f"counters went back: {prev} -> {now}"
+        assert s.accepted_tokens <= s.proposed_tokens
+        if s.proposed_tokens:
+            assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.proposed_tokens)
+        if s.verify_steps:
+            assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.verify_steps)
+        prev = now
+    last = run.spec[-1]
+    assert (run.usage.speculative_proposed_tokens, run.usage.speculative_accepted_tokens) == (
+        last.proposed_tokens,
+        last.accepted_tokens,
+    )
+    return last
+
+
+# --- the draft model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    # not adaptive: k is exactly K every step, so that the counters are predictable (the
+    # adaptive policy may, on a CPU where drafting does not pay, choose k = 0)
+    s = Serve(
+        tmp_path_factory.mktemp("spec-draft"),
+        "--speculative-model=default",
+        f"--num-speculative-tokens={K}",
+        "--no-speculative-adaptive",
+    )
+    yield s
+    s.close()
+
+
+PROMPTS = BASES[:3]
+
+
+@pytest.fixture(scope="module")
+def draft_runs(draft_server: Serve) -> tuple[dict[str, Run], dict[str, float], dict[str, float]]:
+    """One stream: three speculating requests, one with speculation off, one capped at k = 1
+    and one with an invalid cap; the gateway's metrics before and after."""
+    starts = [spec_start(f"s{i}", p) for i, p in enumerate(PROMPTS)]
+    starts += [
+        spec_start("off", PROMPTS[0], pb.SpeculationOptions(enabled=False)),
+        spec_start("k1", PROMPTS[1], pb.SpeculationOptions(enabled=True, max_speculative_tokens=1)),
+        spec_start("bad", PROMPTS[2], pb.SpeculationOptions(max_speculative_tokens=0)),
+    ]
+    before = draft_server.scrape()
+    runs = stream(draft_server.address, starts)
+    after = draft_server.scrape()
+    return runs, before, after
+
+
+def test_greedy_output_equals_plain_decoding(draft_server, draft_runs, reference_llm):
+    assert draft_server.model == MODEL_NAME
+    runs, _, _ = draft_runs
+    ref = reference_tokens(reference_llm, PROMPTS)
+    for i, want in enumerate(ref):
+        r = runs[f"s{i}"].result
+        assert r.finish_reason == pb.FINISH_REASON_LENGTH
+        assert r.token_ids == want, f"s{i}: speculation changed the greedy output"
+    assert runs["off"].result.token_ids == ref[0]
+    assert runs["k1"].result.token_ids == ref[1]
+
+
+def test_counters_are_cumulative_and_match_usage(draft_runs):
+    runs, _, _ = draft_runs
+    for i in range(len(PROMPTS)):
+        last = assert_cumulative(runs[f"s{i}"])
+        # every step drafts K (fewer only near max_tokens), and a verification yields at most K + 1
+        assert last.verify_steps >= 1 and last.proposed_tokens >= last.verify_steps
+        assert last.proposed_tokens <= K * last.verify_steps
+        assert runs[f"s{i}"].usage.completion_tokens == MAX_TOKENS
+    assert sum(runs[f"s{i}"].usage.speculative_accepted_tokens for i in range(len(PROMPTS))) > 0
+
+
+def test_speculation_off_for_one_request(draft_runs):
+    off = draft_runs[0]["off"]
+    assert off.spec and all(s is None for s in off.spec), "a request with speculation off got counters"
+    assert off.usage.speculative_proposed_tokens == 0 and off.usage.speculative_accepted_tokens == 0
+    assert off.usage.completion_tokens == MAX_TOKENS
+
+
+def test_max_speculative_tokens_caps_k(draft_runs):
+    last = assert_cumulative(draft_runs[0]["k1"])
+    assert last.verify_steps >= 1
+    assert last.proposed_tokens <= last.verify_steps  # at most one draft token per verification
+
+
+def test_invalid_cap_is_invalid_argument(draft_runs):
+    bad = draft_runs[0]["bad"].result
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT, bad.final
+    assert "max_speculative_tokens" in bad.final.error.message
+    assert not bad.token_ids
+
+
+def test_gateway_metrics_count_speculation(draft_runs):
+    runs, before, after = draft_runs
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    done = [r for r in runs.values() if r.result.kind == "finished"]
+    proposed = sum(r.usage.speculative_proposed_tokens for r in done)
+    accepted = sum(r.usage.speculative_accepted_tokens for r in done)
+    assert proposed > 0
+    assert grew("draftwise_spec_decode_proposed_tokens_total") == proposed
+    assert grew("draftwise_spec_decode_accepted_tokens_total") == accepted
+    # one acceptance-rate sample per request that speculated (not the one with speculation off)
+    assert grew("draftwise_spec_decode_acceptance_rate_count") == len(PROMPTS) + 1
+    assert grew('draftwise_requests_total{status="invalid_argument"}') == 1
+
+
+# --- n-gram prompt lookup -----------------------------------------------------------------
+
+
+def test_ngram_server(tmp_path, reference_llm):
+    """Another method, the adaptive policy (the default) and the n-gram flags, through
+    ``draftwise serve``: same greedy output, counters present, drafts accepted."""
+    prompts = PROMPTS[:2]  # the model repeats itself after these: lookup finds what it will say
+    s = Serve(tmp_path, "--speculative-method=ngram", "--num-speculative-tokens=3", "--prompt-lookup-max=3")
+    try:
+        runs = stream(s.address, [spec_start(f"n{i}", p) for i, p in enumerate(prompts)])
+        metrics = s.scrape()
+    finally:
+        s.close()
+    ref = reference_tokens(reference_llm, prompts)
+    for i, want in enumerate(ref):
+        run = runs[f"n{i}"]
+        assert run.result.token_ids == want, f"n{i}: n-gram speculation changed the greedy output"
+        assert_cumulative(run)
+    assert all(r.usage.speculative_proposed_tokens > 0 for r in runs.values())
+    assert sum(r.usage.speculative_accepted_tokens for r in runs.values()) > 0
+    assert metrics["draftwise_spec_decode_proposed_tokens_total"] == sum(
+        r.usage.speculative_proposed_tokens for r in runs.values()
+    )
+
+
+# --- flags the engine refuses -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-speculative-tokens=3"], "num_speculative_tokens set without speculation"),
+        (
+            ["--speculative-method=ngram", "--speculative-model=default"],
+            "speculative_method='ngram' uses no draft model",
+        ),
+    ],
+)
+def test_serve_reports_a_bad_combination(tmp_path, flags, message):
+    res = subprocess.run(
+        [sys.executable, "-m", "draftwise.cli", "serve", "--port=0", *ENGINE_ARGS, *flags],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert res.returncode != 0
+    assert f"error: {message}" in res.stderr, res.stderr
+    assert "worker 0 exited with status 2 while starting" in res.stderr, res.stderr

@@ -1,0 +1,141 @@
+"""Engine outputs to gRPC messages (``worker/proto_convert.py``): a speculating request's
+deltas carry its cumulative counters in ``TokenDelta.speculation``, its finished event the
+totals in ``Usage``, and a request that does not speculate carries neither; the gateway's
+metrics read what the worker writes. Speculation options map onto SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.streams import merge_delta
+from draftwise.v1 import generation_pb2 as pb
+from draftwise.worker.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SpecStats
+from draftwise.worker.proto_convert import (
+    events_from_delta,
+    finished_from_delta,
+    responses_from_delta,
+    sampling_params_from_proto,
+)
+
+
+def _final(spec: SpecStats | None, tokens: list[int], finish: str = "length") -> RequestOutput:
+    return RequestOutput(
+        request_id="r",
+        prompt="p",
+        prompt_token_ids=[1, 2, 3],
+        outputs=[CompletionOutput(0, "text", tokens, None, finish, None, spec)],
+        finished=True,
+        metrics=RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finish_time=12.0),
+    )
+
+
+def _delta(spec: SpecStats | None, tokens: list[int], first: int = 0, final: RequestOutput | None = None):
+    return RequestDelta(
+        request_id="r",
+        token_ids=tokens,
+        first_token_index=first,
+        text="x" * len(tokens),
+        logprobs=None,
+        finished=final is not None,
+        finish_reason=None if final is None else final.outputs[0].finish_reason,
+        final=final,
+        spec=spec,
+    )
+
+
+def test_delta_carries_the_speculation_counters():
+    (ev,) = events_from_delta(_delta(SpecStats(proposed=8, accepted=6, verify_steps=2), [5, 6, 7], first=4))
+    d = ev.delta
+    assert list(d.token_ids) == [5, 6, 7] and d.first_token_index == 4
+    assert d.HasField("speculation")
+    s = d.speculation
+    assert (s.proposed_tokens, s.accepted_tokens, s.verify_steps) == (8, 6, 2)
+    assert s.acceptance_rate == pytest.approx(0.75)
+    assert s.mean_accepted_length == pytest.approx(4.0)  # 1 + 6 / 2
+
+
+def test_zero_counters_are_present_not_unset():
+    """A speculating request before its first verification: present, all zeros (unset
+    means "does not speculate")."""
+    (ev,) = events_from_delta(_delta(SpecStats(0, 0, 0), [9]))
+    assert ev.delta.HasField("speculation")
+    s = ev.delta.speculation
+    assert (s.proposed_tokens, s.accepted_tokens, s.verify_steps) == (0, 0, 0)
+    assert s.acceptance_rate == 0.0 and s.mean_accepted_length == 0.0
+    # and on the wire too
+    again = pb.GenerationEvent.FromString(ev.SerializeToString())
+    assert again.delta.HasField("speculation")
+
+
+def test_no_speculation_no_counters():
+    final = _final(None, [1, 2])
+    delta_ev, fin_ev = events_from_delta(_delta(None, [2], first=1, final=final))
+    assert not delta_ev.delta.HasField("speculation")
+    u = fin_ev.finished.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (3, 2)
+    assert u.speculative_proposed_tokens == 0 and u.speculative_accepted_tokens == 0
+
+
+def test_finished_usage_equals_the_last_deltas_counters():
+    spec = SpecStats(proposed=12, accepted=5, verify_steps=4)
+    final = _final(spec, [4, 5, 6, 7, 8])
+    delta_ev, fin_ev = events_from_delta(_delta(spec, [7, 8], first=3, final=final))
+    assert fin_ev.WhichOneof("kind") == "finished"
+    f = fin_ev.finished
+    assert f.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (f.usage.prompt_tokens, f.usage.completion_tokens) == (3, 5)
+    assert f.usage.speculative_proposed_tokens == delta_ev.delta.speculation.proposed_tokens == 12
+    assert f.usage.speculative_accepted_tokens == delta_ev.delta.speculation.accepted_tokens == 5
+    assert f.timings.queue_ms == pytest.approx(500) and f.timings.total_ms == pytest.approx(2000)
+
+
+def test_a_final_delta_without_tokens_still_reports_usage():
+    """An abort's final delta has no tokens: no delta event, the totals go in Finished."""
+    spec = SpecStats(proposed=3, accepted=1, verify_steps=1)
+    final = _final(spec, [4, 5], finish="abort")
+    (ev,) = events_from_delta(_delta(spec, [], first=2, final=final))
+    assert ev.finished.finish_reason == pb.FINISH_REASON_ABORT
+    assert (ev.finished.usage.speculative_proposed_tokens, ev.finished.usage.speculative_accepted_tokens) == (3, 1)
+    assert finished_from_delta(_delta(spec, [], first=2, final=final)) == ev.finished
+
+
+def test_worker_responses_match_events():
+    spec = SpecStats(proposed=4, accepted=4, verify_steps=1)
+    d = _delta(spec, [1, 2, 3, 4, 5], final=_final(spec, [1, 2, 3, 4, 5]))
+    assert [r.event for r in responses_from_delta(d)] == events_from_delta(d)
+
+
+def test_gateway_reads_what_the_worker_writes():
+    """The gateway's coalescing keeps the latest counters, and its metrics count Usage."""
+    first = events_from_delta(_delta(SpecStats(4, 3, 1), [1, 2, 3, 4]))[0].delta
+    second = events_from_delta(_delta(SpecStats(8, 5, 2), [5, 6, 7], first=4))[0].delta
+    merge_delta(first, second)
+    assert list(first.token_ids) == [1, 2, 3, 4, 5, 6, 7]
+    assert (first.speculation.proposed_tokens, first.speculation.accepted_tokens) == (8, 5)
+
+    metrics = GatewayMetrics()
+    spec = SpecStats(proposed=10, accepted=4, verify_steps=3)
+    (fin,) = events_from_delta(_delta(spec, [], first=7, final=_final(spec, list(range(7)))))
+    metrics.observe_finished(fin.finished)
+    (plain,) = events_from_delta(_delta(None, [], first=7, final=_final(None, list(range(7)))))
+    metrics.observe_finished(plain.finished)
+    r = metrics.registry
+    assert r.get_sample_value("draftwise_spec_decode_proposed_tokens_total") == 10
+    assert r.get_sample_value("draftwise_spec_decode_accepted_tokens_total") == 4
+    assert r.get_sample_value("draftwise_spec_decode_acceptance_rate_count") == 1  # the plain request is not counted
+    assert r.get_sample_value("draftwise_spec_decode_acceptance_rate_sum") == pytest.approx(0.4)
+
+
+def test_speculation_options_map_onto_sampling_params():
+    plain = pb.SamplingParams(temperature=0)
+    p = sampling_params_from_proto(plain)
+    assert p.use_speculation and p.max_speculative_tokens is None
+    p = sampling_params_from_proto(plain, pb.SpeculationOptions())  # all unset: the server's configuration
+    assert p.use_speculation and p.max_speculative_tokens is None
+    p = sampling_params_from_proto(plain, pb.SpeculationOptions(enabled=False))
+    assert not p.use_speculation
+    p = sampling_params_from_proto(plain, pb.SpeculationOptions(enabled=True, max_speculative_tokens=2))
+    assert p.use_speculation and p.max_speculative_tokens == 2
+    with pytest.raises(ValueError, match="max_speculative_tokens must be >= 1"):
+        sampling_params_from_proto(plain, pb.SpeculationOptions(max_speculative_tokens=0))
