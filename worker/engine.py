@@ -25,6 +25,7 @@ from draftwise.worker.config import EngineConfig
 from draftwise.worker.detokenizer import IncrementalDetokenizer
 from draftwise.worker.kv_cache import KVCache, bytes_per_block
 from draftwise.worker.loader import LoadedModel, load_model
+from draftwise.worker.model_config import ModelLoadError
 from draftwise.worker.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.request import FinishReason, Request, RequestStatus
@@ -50,6 +51,10 @@ class LLMEngine:
         ensure_logging()
         self.config = config = config or EngineConfig()
         folder = Path(config.model) if config.model is not None else default_model_path("target")
+        spec_model = config.speculative_model
+        if spec_model is not None and str(spec_model) != "default" and not Path(spec_model).is_dir():
+            # before the (possibly long) target load
+            raise ModelLoadError(f"speculative_model: {spec_model}: not a checkpoint folder (or 'default')")
         self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
         mcfg = self.loaded.config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -123,7 +128,10 @@ class LLMEngine:
             return None
         name = str(cfg.speculative_model)
         folder = default_model_path("draft") if name == "default" else Path(name)
-        draft = load_model(folder, dtype=self.loaded.dtype, device=self.loaded.device)
+        try:
+            draft = load_model(folder, dtype=self.loaded.dtype, device=self.loaded.device)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"speculative_model: {e}") from e
         if draft.config.max_position_embeddings < self.max_model_len:
             raise ValueError(
                 f"the draft model's context ({draft.config.max_position_embeddings}) is shorter than "

@@ -12,6 +12,8 @@ from scipy import stats
 
 from draftwise.worker import LLM, SamplingParams
 from draftwise.worker.async_engine import AsyncEngine
+from draftwise.worker.config import EngineConfig
+from draftwise.worker.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -270,3 +272,26 @@ def test_library_use_logs_no_debug_lines(capfd):
     assert res.returncode == 0, res.stderr
     assert "request added" not in res.stdout + res.stderr  # debug lines are filtered
     assert "kv cache ready" in res.stderr  # info lines go to stderr
+
+
+def test_speculation_config_errors(tmp_path):
+    from draftwise.worker.model_config import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="speculative_model: .*not a checkpoint folder"):
+        LLMEngine(EngineConfig(speculative_model=tmp_path / "missing"))
+    with pytest.raises(ValueError, match="num_speculative_tokens set without speculation"):
+        EngineConfig(num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="uses no draft model"):
+        EngineConfig(speculative_method="ngram", speculative_model="default")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        EngineConfig(speculative_model="default", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min/max apply to"):
+        EngineConfig(speculative_model="default", prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="prompt_lookup_max must be >="):
+        EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="speculative_adaptive set without speculation"):
+        EngineConfig(speculative_adaptive=False)
