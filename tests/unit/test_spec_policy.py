@@ -20,18 +20,37 @@ def test_cap_rises_and_falls_with_acceptance():
     pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=6, window=2))
     st = pol.new_state()
     assert st.cap == 4
-    pol.update(st, 4, 4)
+    pol.update(st, 4, 4)  # per-token acceptance 4 / 4
     assert st.cap == 5
     pol.update(st, 5, 5)
     pol.update(st, 6, 6)
     assert st.cap == 6  # never above max_k
-    pol.update(st, 6, 1)  # window (6,6), (6,1): 7/12 accepted, between the bounds: unchanged
+    pol.update(st, 6, 1)  # window (6,6), (6,1): 7 accepted, 1 rejection: 0.875, stays at max
     assert st.cap == 6
-    pol.update(st, 6, 1)  # window of 2: 2/12 accepted -> lower
+    pol.update(st, 2, 1)  # window (6,1), (2,1): 2 accepted, 2 rejections: 0.5, between the bounds
+    assert st.cap == 6
+    pol.update(st, 3, 0)  # window (2,1), (3,0): 1 / 3 -> lower
     assert st.cap == 5
-    pol.update(st, 4, 3)  # window: (6,1), (4,3): 0.4 -> lower
+    pol.update(st, 4, 1)  # window (3,0), (4,1): 1 / 3 -> lower
     assert st.cap == 4
-    assert st.proposed == 31 and st.accepted == 20
+    assert st.proposed == 30 and st.accepted == 18 and st.verify_steps == 7
+
+
+def test_acceptance_estimate_does_not_depend_on_k():
+    """Drafts accepted token by token with probability 0.7: the per-token estimate is 0.7
+    whatever k (accepted / proposed would be 0.7 at k = 1 but 0.42 at k = 4 and would
+    push k down)."""
+    import random
+
+    rng = random.Random(5)
+    for k in (1, 4, 8):
+        st = SpeculationPolicy(PolicyConfig(window=4000, max_k=8)).new_state()
+        for _ in range(4000):
+            a = 0
+            while a < k and rng.random() < 0.7:
+                a += 1
+            st.rounds.append((k, a))
+        assert st.acceptance_rate == pytest.approx(0.7, abs=0.02)
 
 
 def test_three_empty_rounds_switch_off_then_probe():
@@ -154,7 +173,7 @@ def test_estimate_is_smoothed_towards_the_prior():
     pol = SpeculationPolicy(PolicyConfig(prior_acceptance=0.5, prior_weight=4.0))
     st = pol.new_state()
     assert pol.estimate(st) == pytest.approx(0.5)
-    pol.update(st, 4, 0)  # one empty round: not yet hopeless
-    assert pol.estimate(st) == pytest.approx(2 / 8)
-    pol.update(st, 4, 4)
-    assert pol.estimate(st) == pytest.approx(6 / 12)
+    pol.update(st, 4, 0)  # one empty round (one rejection): not yet hopeless
+    assert pol.estimate(st) == pytest.approx(2 / 5)
+    pol.update(st, 4, 4)  # four acceptances, no rejection
+    assert pol.estimate(st) == pytest.approx(6 / 9)

@@ -40,6 +40,19 @@ from draftwise.worker.sampler import SamplingRow, processed_probs, sample_from_p
 __all__ = ["DraftModelProposer", "DraftProposal"]
 
 
+def _plain_greedy(req: Request, num_drafted: int) -> bool:
+    """Greedy with nothing that reshapes the logits at this position: no penalties and
+    min_tokens already met (counting the tokens drafted before it)."""
+    p = req.sampling_params
+    return (
+        p.is_greedy
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and len(req.output_token_ids) + num_drafted >= p.min_tokens
+    )
+
+
 @dataclass(frozen=True)
 class DraftProposal:
     """Drafts for a batch of requests, in the order given."""
@@ -85,8 +98,12 @@ class DraftModelProposer:
 
     def _draw(
         self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """q from draft logits ([n, draft vocab]) padded to the target's vocabulary, and one token per row."""
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """q from draft logits ([n, draft vocab]) padded to the target's vocabulary, and one
+        token per row. Greedy rows with nothing to mask (no penalties, min_tokens met) take
+        the argmax directly; q is then not built (the verifier needs none for greedy rows)."""
+        if all(_plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
+            return None, [int(t) for t in logits.argmax(dim=-1).tolist()]
         rows = self._rows(reqs, drafts)
         q = processed_probs(logits, rows)  # [n, draft vocab]
         if q.shape[1] < self.target_vocab:  # a draft with a smaller (unpadded) vocabulary: q = 0 beyond it
@@ -116,7 +133,8 @@ class DraftModelProposer:
         for i in range(n):
             reqs[i].num_draft_computed = ends[i]
             drafts[i].append(toks[i])
-            q_rows[i].append(q[i])
+            if q is not None:
+                q_rows[i].append(q[i])
         steps = 1
         for j in range(1, max(ks)):
             active = [i for i in range(n) if ks[i] > j]
@@ -126,9 +144,12 @@ class DraftModelProposer:
             for row, i in enumerate(active):
                 reqs[i].num_draft_computed = ends[i] + j
                 drafts[i].append(toks[row])
-                q_rows[i].append(q[row])
+                if q is not None:
+                    q_rows[i].append(q[row])
             steps += 1
         greedy = all(r.sampling_params.is_greedy for r in reqs)
+        if not greedy and any(len(rows) != k for rows, k in zip(q_rows, ks, strict=True)):
+            raise AssertionError("a sampling batch must have q for every drafted position")
         probs = None if greedy else torch.stack([t for rows in q_rows for t in rows])  # [sum k, target vocab]
         return DraftProposal(token_ids=drafts, probs=probs, seconds=time.perf_counter() - t0, num_steps=steps)
 

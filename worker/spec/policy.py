@@ -2,7 +2,8 @@
 
 Two layers:
 
-1. **Acceptance**: each request keeps the acceptance of its recent rounds. Its cap on k rises
+1. **Acceptance**: each request keeps the per-token acceptance of its recent rounds (the
+   chance that a drafted token is accepted given the ones before it were). Its cap on k rises
    by one while acceptance is above ``raise_above``, falls by one below ``lower_below``; after
    ``off_after`` rounds in a row with nothing accepted speculation goes off for the request,
    and after ``probe_after`` plain steps it is probed again with k = 1.
@@ -15,7 +16,8 @@ Two layers:
    speculates once with k = 1, so that its acceptance estimate (and the costs) stay current.
 
 The acceptance estimate is smoothed towards ``prior_acceptance`` with ``prior_weight``
-pseudo-tokens, so that one unlucky round does not decide a request's fate.
+pseudo-observations, so that one unlucky round does not decide a request's fate.
+(What requests report, accepted over proposed, is a different number: it falls with k.)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class PolicyConfig:
     probe_after: int = 32  # plain steps after which an off request is probed again
     window: int = 8  # rounds of history behind the acceptance estimate
     prior_acceptance: float = 0.7  # acceptance assumed before a request has any history
-    prior_weight: float = 4.0  # pseudo-tokens of prior_acceptance mixed into the estimate
+    prior_weight: float = 4.0  # pseudo-observations of prior_acceptance mixed into the estimate
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -69,9 +71,14 @@ class RequestSpecState:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Accepted over proposed across the window, None without history."""
-        p = sum(r[0] for r in self.rounds)
-        return None if p == 0 else sum(r[1] for r in self.rounds) / p
+        """Per-token acceptance over the window, None without history: the chance that a
+        drafted token is accepted given that the ones before it were. A round of k drafts
+        with a accepted shows a acceptances and, when a < k, one rejection (the positions
+        after it are never tested), so the estimate is accepted / (accepted + rejections).
+        Accepted over proposed would be biased low for large k and push k down."""
+        accepted = sum(a for _, a in self.rounds)
+        rejected = sum(1 for k, a in self.rounds if a < k)
+        return None if accepted + rejected == 0 else accepted / (accepted + rejected)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -157,11 +164,12 @@ class SpeculationPolicy:
         return 0
 
     def estimate(self, state: RequestSpecState) -> float:
-        """Acceptance over the window, smoothed towards the prior."""
+        """Per-token acceptance over the window (see RequestSpecState.acceptance_rate),
+        smoothed towards the prior with prior_weight pseudo-observations."""
         cfg = self.config
-        p = sum(r[0] for r in state.rounds)
-        a = sum(r[1] for r in state.rounds)
-        return (a + cfg.prior_acceptance * cfg.prior_weight) / (p + cfg.prior_weight)
+        accepted = sum(a for _, a in state.rounds)
+        rejected = sum(1 for k, a in state.rounds if a < k)
+        return (accepted + cfg.prior_acceptance * cfg.prior_weight) / (accepted + rejected + cfg.prior_weight)
 
     def _best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
         plain = self.costs.target_time(batch_size)
