@@ -20,6 +20,9 @@ from draftwise.v1 import worker_service_pb2 as wpb
 log = structlog.get_logger("draftwise.gateway.router")
 
 MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
+SPEC_METHOD_KEY = "draftwise-speculative-method"
+DRAFT_MODEL_KEY = "draftwise-draft-model"
+SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"
 """Trailing metadata of the worker's GetLoad: the context length of its model."""
 
 SLOW_POLLS_BEFORE_DOWN = 3
@@ -48,6 +51,9 @@ class WorkerHandle:
     healthy: bool = False
     model: str = ""
     max_model_len: int = 0
+    speculative_method: str = ""  # "draft" | "ngram" | "" (none), from GetLoad's trailing metadata
+    draft_model: str = ""
+    num_speculative_tokens: int = 0
     load: wpb.GetLoadResponse = field(default_factory=wpb.GetLoadResponse)
     in_flight: int = 0  # this gateway's requests on it
     last_error: str = "not polled yet"
@@ -132,9 +138,15 @@ class Router:
         w.load = load
         w.model = load.model
         w.last_poll = time.monotonic()
+        spec = {SPEC_METHOD_KEY: "", DRAFT_MODEL_KEY: "", SPEC_TOKENS_KEY: "0"}
         for key, value in trailing or ():
             if key == MAX_MODEL_LEN_KEY:
                 w.max_model_len = int(value)
+            elif key in spec:
+                spec[key] = value
+        w.speculative_method = spec[SPEC_METHOD_KEY]
+        w.draft_model = spec[DRAFT_MODEL_KEY]
+        w.num_speculative_tokens = int(spec[SPEC_TOKENS_KEY])
         total = load.num_total_kv_blocks or 1
         m = self.metrics
         m.kv_usage.labels(w.address).set(1 - load.num_free_kv_blocks / total)
@@ -173,6 +185,15 @@ class Router:
         for w in self.workers:
             if w.model:
                 out[w.model] = max(out.get(w.model, 0), w.max_model_len)
+        return out
+
+    def model_infos(self) -> dict[str, WorkerHandle]:
+        """For each model, a worker serving it that answered (the one with the longest
+        context): where ListModels reads its speculation settings from."""
+        out: dict[str, WorkerHandle] = {}
+        for w in self.workers:
+            if w.model and (w.model not in out or w.max_model_len > out[w.model].max_model_len):
+                out[w.model] = w
         return out
 
     def pick(self, model: str, exclude: frozenset[WorkerHandle] = frozenset()) -> WorkerHandle | None:

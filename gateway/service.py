@@ -15,6 +15,7 @@ import grpc
 
 from draftwise.gateway.bidi import MultiplexedStream
 from draftwise.gateway.relay import Core, Relay, RequestError
+from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
 from draftwise.gateway.validate import validate_start
 from draftwise.v1 import generate_service_pb2 as gspb
@@ -80,16 +81,31 @@ class GenerateServicer:
     async def ListModels(  # noqa: N802
         self, request: gspb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gspb.ListModelsResponse:
-        models = self.core.router.models()
-        if not models:
+        infos = self.core.router.model_infos()
+        if not infos:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no worker has reported its model yet ({self.core.router.describe()}); retry shortly",
             )
         return gspb.ListModelsResponse(
-            models=[gspb.ModelInfo(name=name, max_model_len=n) for name, n in sorted(models.items())],
+            models=[_model_info(name, w) for name, w in sorted(infos.items())],
             default_model=self.core.default_model() or "",
         )
+
+
+_SPEC_METHODS = {"draft": gspb.SPECULATIVE_METHOD_DRAFT_MODEL, "ngram": gspb.SPECULATIVE_METHOD_NGRAM}
+
+
+def _model_info(name: str, w: WorkerHandle) -> gspb.ModelInfo:
+    method = _SPEC_METHODS.get(w.speculative_method, gspb.SPECULATIVE_METHOD_UNSPECIFIED)
+    return gspb.ModelInfo(
+        name=name,
+        max_model_len=w.max_model_len,
+        has_draft=method != gspb.SPECULATIVE_METHOD_UNSPECIFIED,
+        speculative_method=method,
+        draft_model=w.draft_model if method == gspb.SPECULATIVE_METHOD_DRAFT_MODEL else "",
+        num_speculative_tokens=w.num_speculative_tokens if method != gspb.SPECULATIVE_METHOD_UNSPECIFIED else 0,
+    )
 
 
 def add_generate_service(servicer: GenerateServicer, server: grpc.aio.Server) -> None:

@@ -44,6 +44,9 @@ log = structlog.get_logger("draftwise.worker")
 
 SERVICE_NAME = "draftwise.v1.WorkerService"
 MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
+SPEC_METHOD_KEY = "draftwise-speculative-method"  # "draft" | "ngram"; absent without speculation
+DRAFT_MODEL_KEY = "draftwise-draft-model"  # the draft's name, with speculative_method "draft"
+SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"  # the most tokens drafted per step
 """Trailing metadata of GetLoad: the served model's context length."""
 TOKENS_PER_SECOND_WINDOW_S = 5.0
 """GetLoad's tokens_per_second counts the output tokens of this many last seconds."""
@@ -61,6 +64,19 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         self._produced: collections.deque[tuple[float, int]] = collections.deque()  # (time, output tokens) per step
         self._produced_lock = threading.Lock()
         aengine.on_step = self._on_step
+
+    @property
+    def _model_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What the gateway's ListModels reports about this worker's model, sent with GetLoad."""
+        eng = self.engine
+        md: list[tuple[str, str]] = [(MAX_MODEL_LEN_KEY, str(eng.max_model_len))]
+        cfg = eng.config
+        if eng.spec_method is not None:
+            md.append((SPEC_METHOD_KEY, eng.spec_method))
+            md.append((SPEC_TOKENS_KEY, str(cfg.spec_k)))
+            if eng.spec_method == "draft":
+                md.append((DRAFT_MODEL_KEY, draft_model_name(cfg.speculative_model)))
+        return tuple(md)
 
     def _on_step(self, out: StepOutput) -> None:  # engine thread
         produced = sum(len(d.token_ids) for d in out.deltas)
@@ -120,7 +136,7 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
 
     async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> wpb.GetLoadResponse:  # noqa: N802
         sched = self.engine.scheduler
-        context.set_trailing_metadata(((MAX_MODEL_LEN_KEY, str(self.engine.max_model_len)),))
+        context.set_trailing_metadata(self._model_metadata)
         return wpb.GetLoadResponse(
             model=self.model_name,
             num_requests_running=len(sched.running),
@@ -142,6 +158,11 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
 def default_model_name(model: str | Path | None) -> str:
     """The name clients use: "draftwise-target" for the embedded default, else the folder's name."""
     return "draftwise-target" if model is None else Path(model).resolve().name
+
+
+def draft_model_name(model: str | Path | None) -> str:
+    """The draft's name: "draftwise-draft" for the embedded default, else the folder's name."""
+    return "draftwise-draft" if model is None or str(model) == "default" else Path(model).resolve().name
 
 
 async def _watch(aengine: AsyncEngine, parent_pid: int | None, stop: asyncio.Event) -> str:

@@ -94,7 +94,8 @@ def test_list_models(gateway):
     assert [m.name for m in resp.models] == [MODEL_NAME]
     assert resp.default_model == MODEL_NAME
     assert resp.models[0].max_model_len == MAX_MODEL_LEN
-    assert not resp.models[0].has_draft  # no speculation served yet
+    assert not resp.models[0].has_draft  # this server runs without speculation
+    assert resp.models[0].speculative_method == 0 and resp.models[0].num_speculative_tokens == 0
 
 
 def test_half_close_finishes_in_flight_requests_then_ok(gateway):

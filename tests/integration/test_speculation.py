@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.worker import SamplingParams
@@ -195,6 +196,19 @@ def test_greedy_output_equals_plain_decoding(draft_server, draft_runs, reference
     assert runs["k1"].result.token_ids == ref[1]
 
 
+def test_list_models_reports_the_draft(draft_server, draft_runs):
+    async def go():
+        async with grpc.aio.insecure_channel(draft_server.address) as ch:
+            return await gsgrpc.GenerateServiceStub(ch).ListModels(gspb.ListModelsRequest(), timeout=30)
+
+    (info,) = asyncio.run(go()).models
+    assert info.name == MODEL_NAME
+    assert info.has_draft
+    assert info.speculative_method == gspb.SPECULATIVE_METHOD_DRAFT_MODEL
+    assert info.draft_model == "draftwise-draft"
+    assert info.num_speculative_tokens == K
+
+
 def test_counters_are_cumulative_and_match_usage(draft_runs):
     runs, _, _ = draft_runs
     for i in range(len(PROMPTS)):
@@ -254,6 +268,12 @@ def test_ngram_server(tmp_path, reference_llm):
     try:
         runs = stream(s.address, [spec_start(f"n{i}", p) for i, p in enumerate(prompts)])
         metrics = s.scrape()
+
+        async def models():
+            async with grpc.aio.insecure_channel(s.address) as ch:
+                return await gsgrpc.GenerateServiceStub(ch).ListModels(gspb.ListModelsRequest(), timeout=30)
+
+        (info,) = asyncio.run(models()).models
     finally:
         s.close()
     ref = reference_tokens(reference_llm, prompts)
@@ -266,6 +286,8 @@ def test_ngram_server(tmp_path, reference_llm):
     assert metrics["draftwise_spec_decode_proposed_tokens_total"] == sum(
         r.usage.speculative_proposed_tokens for r in runs.values()
     )
+    assert info.has_draft and info.speculative_method == gspb.SPECULATIVE_METHOD_NGRAM
+    assert info.draft_model == "" and info.num_speculative_tokens == 3
 
 
 # --- flags the engine refuses -------------------------------------------------------------
