@@ -25,7 +25,7 @@ from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.worker import SamplingParams
 from tests.integration.conftest import reference_outputs
-from tests.integration.procs import ENGINE_ARGS, MODEL_NAME, child_env
+from tests.integration.procs import CLIENT_DIR, ENGINE_ARGS, MODEL_NAME, child_env
 from tests.integration.prompts import BASES
 from tests.integration.rpc import Result, start, start_req
 
@@ -207,6 +207,34 @@ def test_list_models_reports_the_draft(draft_server, draft_runs):
     assert info.speculative_method == gspb.SPECULATIVE_METHOD_DRAFT_MODEL
     assert info.draft_model == "draftwise-draft"
     assert info.num_speculative_tokens == K
+
+
+def test_python_client_speculation_options_and_stats(draft_server, reference_llm):
+    sys.path.insert(0, str(CLIENT_DIR))
+    from draftwise_client import Client
+    from draftwise_client import SamplingParams as ClientParams
+
+    with Client(draft_server.address) as client:
+        (info,) = client.list_models()
+        assert (info.has_draft, info.speculative_method, info.draft_model, info.num_speculative_tokens) == (
+            True,
+            "draft",
+            "draftwise-draft",
+            K,
+        )
+        base = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        on = list(client.generate(PROMPTS[0], ClientParams(**base)))
+        capped = list(client.generate(PROMPTS[0], ClientParams(**base, max_speculative_tokens=1)))
+        off = list(client.generate(PROMPTS[0], ClientParams(**base, speculation=False)))
+    want = reference_tokens(reference_llm, PROMPTS[:1])[0]
+    for deltas in (on, capped, off):
+        assert [t for d in deltas for t in d.token_ids] == want
+    stats = [d.speculation for d in on if d.token_ids]
+    assert all(st is not None for st in stats) and stats[-1].proposed_tokens > 0
+    assert on[-1].usage.speculative_proposed_tokens == stats[-1].proposed_tokens
+    last = [d.speculation for d in capped if d.speculation is not None][-1]
+    assert 0 < last.proposed_tokens <= last.verify_steps  # k <= 1
+    assert all(d.speculation is None for d in off) and off[-1].usage.speculative_proposed_tokens == 0
 
 
 def test_counters_are_cumulative_and_match_usage(draft_runs):

@@ -28,6 +28,7 @@ from draftwise_client._types import (
     GenerationError,
     ModelInfo,
     SamplingParams,
+    SpeculationStats,
     TokenLogprob,
     Usage,
 )
@@ -45,5 +46,6 @@ __all__ = [
     "SamplingParams",
     "Session",
     "TokenLogprob",
+    "SpeculationStats",
     "Usage",
 ]

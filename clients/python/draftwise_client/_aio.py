@@ -88,7 +88,7 @@ class AsyncClient:
             )
         except grpc.aio.AioRpcError as e:
             raise GenerationError.from_rpc(e) from None
-        return [ModelInfo(m.name, m.max_model_len, m.has_draft) for m in resp.models]
+        return [ModelInfo.from_proto(m) for m in resp.models]
 
     async def generate(
         self,

@@ -77,7 +77,7 @@ class Client:
             resp = self._stub.ListModels(gspb.ListModelsRequest(), metadata=self.connection.metadata, timeout=timeout)
         except grpc.RpcError as e:
             raise GenerationError.from_rpc(e) from None
-        return [ModelInfo(m.name, m.max_model_len, m.has_draft) for m in resp.models]
+        return [ModelInfo.from_proto(m) for m in resp.models]
 
     def generate(
         self,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
 
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -37,6 +38,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False
+    speculation: bool | None = None  # False: no speculative decoding for this request; None: the server's choice
+    max_speculative_tokens: int | None = None  # cap on the tokens drafted per step (>= 1)
 
     def to_proto(self) -> pb.SamplingParams:
         msg = pb.SamplingParams(
@@ -58,6 +61,17 @@ class SamplingParams:
             msg.skip_special_tokens = self.skip_special_tokens
         return msg
 
+    def speculation_proto(self) -> pb.SpeculationOptions | None:
+        """The request's SpeculationOptions, None when it leaves speculation to the server."""
+        if self.speculation is None and self.max_speculative_tokens is None:
+            return None
+        msg = pb.SpeculationOptions()
+        if self.speculation is not None:
+            msg.enabled = self.speculation
+        if self.max_speculative_tokens is not None:
+            msg.max_speculative_tokens = self.max_speculative_tokens
+        return msg
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -76,6 +90,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class SpeculationStats:
+    """A speculating request's counters so far (cumulative)."""
+
+    proposed_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float  # accepted / proposed
+    mean_accepted_length: float  # tokens per verification step: 1 + accepted / verify_steps
+    verify_steps: int
+
+
+@dataclass(frozen=True)
 class Delta:
     """New output of one request. The last delta of a request has ``finish_reason`` set
     ("stop", "length" or "abort"), carries its usage, and usually no new tokens."""
@@ -88,6 +113,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
+    speculation: SpeculationStats | None = None  # on deltas of a speculating request
 
     @property
     def finished(self) -> bool:
@@ -111,6 +137,21 @@ class ModelInfo:
     name: str
     max_model_len: int
     has_draft: bool = False
+    speculative_method: str = ""  # "draft" | "ngram" | "" (none)
+    draft_model: str = ""
+    num_speculative_tokens: int = 0
+
+    @classmethod
+    def from_proto(cls, m: gspb.ModelInfo) -> ModelInfo:
+        method = {gspb.SPECULATIVE_METHOD_DRAFT_MODEL: "draft", gspb.SPECULATIVE_METHOD_NGRAM: "ngram"}
+        return cls(
+            m.name,
+            m.max_model_len,
+            m.has_draft,
+            method.get(m.speculative_method, ""),
+            m.draft_model,
+            m.num_speculative_tokens,
+        )
 
 
 class GenerationError(Exception):
@@ -152,6 +193,9 @@ def start_message(
     msg = pb.StartGeneration(request_id=request_id, model=model, prompt=p)
     if params is not None:
         msg.sampling_params.CopyFrom(params.to_proto())
+        spec = params.speculation_proto()
+        if spec is not None:
+            msg.speculation.CopyFrom(spec)
     return msg
 
 
@@ -159,6 +203,12 @@ def _logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
     return tuple(
         TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
         for lp in items
+    )
+
+
+def _speculation(s: pb.SpeculationStats) -> SpeculationStats:
+    return SpeculationStats(
+        s.proposed_tokens, s.accepted_tokens, s.acceptance_rate, s.mean_accepted_length, s.verify_steps
     )
 
 
@@ -172,6 +222,7 @@ def delta_from_event(event: pb.GenerationEvent) -> Delta:
             token_ids=tuple(d.token_ids),
             first_token_index=d.first_token_index,
             logprobs=_logprobs(d.logprobs),
+            speculation=_speculation(d.speculation) if d.HasField("speculation") else None,
         )
     f = event.finished
     which = f.WhichOneof("stop_reason")
