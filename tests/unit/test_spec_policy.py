@@ -159,14 +159,27 @@ def test_update_validates():
 
 
 def test_costs_choosing_zero_still_probe_and_recover():
-    # The costs say k = 0 at batch 256; after probe_after such steps the request probes with
-    # k = 1, so a request never stays without fresh acceptance data forever.
+    # Batch 1, memory-bound target but an expensive draft: k = 0 at a poor estimate, yet
+    # perfect acceptance would pay, so after probe_after such steps the request probes with
+    # k = 1: it never stays without fresh acceptance data forever.
+    costs = _costs(per_token=1e-5, fixed=8e-3, draft_fixed=6e-3, draft_per_seq=1e-6, sizes=range(1, 700))
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, probe_after=4), costs)
+    st = pol.new_state()
+    for _ in range(3):
+        pol.update(st, 1, 0)
+        st.zero_streak = 0  # keep it on: this test is about the cost layer
+    assert pol.estimate(st) < 0.5
+    assert [pol.choose_k(st, 1) for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert pol.choose_k(st, 1) == 0  # the count starts again
+
+
+def test_no_probes_where_even_perfect_acceptance_would_not_pay():
+    # batch 256, compute-bound: verifying k drafts costs k times more; no probe ever
     costs = _costs(per_token=1e-4, fixed=8e-3, draft_fixed=1e-3, draft_per_seq=8e-5, sizes=range(1, 2400))
     pol = SpeculationPolicy(PolicyConfig(initial_k=4, probe_after=4), costs)
     st = pol.new_state()
-    assert [pol.choose_k(st, 256) for _ in range(5)] == [0, 0, 0, 0, 1]
-    assert pol.choose_k(st, 256) == 0  # the count starts again
-    assert pol.choose_k(st, 1) > 0 and st.idle_steps == 0
+    assert [pol.choose_k(st, 256) for _ in range(20)] == [0] * 20
+    assert pol.choose_k(st, 1) > 0 and st.idle_steps == 0  # batch 1 still speculates
 
 
 def test_estimate_is_smoothed_towards_the_prior():

@@ -13,7 +13,9 @@ Two layers:
    request's cap that gives the most tokens per second of step time at the current batch
    size, so speculation switches itself down where batches are large enough that it no
    longer pays. A request for which the costs chose k = 0 for ``probe_after`` steps in a row
-   speculates once with k = 1, so that its acceptance estimate (and the costs) stay current.
+   speculates once with k = 1, so that its acceptance estimate (and the costs) stay current
+   — unless even perfect acceptance would not pay at the current batch size (then a probe
+   could only cost: a large batch verifying twice its tokens, the draft catching up).
 
 The acceptance estimate is smoothed towards ``prior_acceptance`` with ``prior_weight``
 pseudo-observations, so that one unlucky round does not decide a request's fate.
@@ -157,6 +159,8 @@ class SpeculationPolicy:
         if k > 0:
             state.idle_steps = 0
             return k
+        if self._best_k(1.0, state.cap, batch_size) == 0:
+            return 0  # not even perfect acceptance would pay at this batch size: nothing to probe
         state.idle_steps += 1
         if state.idle_steps > self.config.probe_after:
             state.idle_steps = 0
