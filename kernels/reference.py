@@ -25,8 +25,17 @@ def write_kv_cache(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Store each new token's key and value at its slot."""
+    """Store each new token's key and value at its slot; a slot of -1 (any negative slot)
+    means "do not write": a CUDA-graph runner pads a batch up to its bucket with such tokens.
+
+    The common case (no padding) stays one ``index_copy_`` per cache; only a batch that holds
+    a negative slot pays for the filter (one host read of a flag, which the twin may afford:
+    the Triton kernel skips such tokens without one).
+    """
     h, d = k_cache.shape[-2:]
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = (slot_mapping >= 0).nonzero().squeeze(1)  # [T_kept]
+        k, v, slot_mapping = k.index_select(0, keep), v.index_select(0, keep), slot_mapping.index_select(0, keep)
     k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -49,6 +58,62 @@ def rms_norm(
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype), x
+
+
+def rejection_accept(
+    target_probs: torch.Tensor,  # [N, K + 1, V] float: p at each draft position, then the bonus position
+    draft_probs: torch.Tensor | None,  # [N, K, V] float q; None: q one-hot at the drafted token
+    draft_ids: torch.Tensor,  # [N, K] int64, padded with any valid id
+    num_draft: torch.Tensor,  # [N] int64: k_i <= K real draft tokens per row
+    uniforms: torch.Tensor,  # [N, K] same dtype as target_probs: U[0, 1) per draft position
+    exp_noise: torch.Tensor,  # [N, V] same dtype as target_probs: Exp(1) per vocabulary entry
+    greedy: torch.Tensor,  # [N] bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [N] int64, final_token [N] int64
+    """The rejection sampler's accept-and-resample step on padded tensors (see
+    :mod:`draftwise.worker.spec.rejection_sampler` for the rule and why it is exact).
+
+    Sampling rows accept draft ``j < k_i`` while ``u_j < p_j(x_j) / q_j(x_j)`` (``q = 0 < p``
+    accepts, ``p = 0`` rejects); greedy rows while ``x_j == argmax p_j``. With ``a`` accepted,
+    the final token is ``argmax(w / max(E, tiny))`` (an exponential race: a draw from
+    ``w / sum(w)``) where ``w`` is, for a sampling row rejected at ``a``, the residual
+    ``max(0, p_a - q_a)`` (or ``p_a`` without ``x_a`` when ``draft_probs`` is None) if it has
+    mass, else ``p_a``; for a greedy row the noise is 1, so it emits ``argmax p_a``.
+    Uniforms and noise of greedy rows, and everything past ``k_i``, are ignored.
+    """
+    n, k1, v = target_probs.shape
+    k = k1 - 1
+    device = target_probs.device
+    rows = torch.arange(n, device=device)  # [N]
+    num_accepted = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
+    if k > 0:
+        p_x = target_probs[:, :k].gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [N, K]
+        if draft_probs is None:
+            q_x = torch.ones_like(p_x)  # [N, K]
+        else:
+            q_x = draft_probs.gather(2, draft_ids.unsqueeze(2)).squeeze(2).to(p_x.dtype)  # [N, K]
+        # u < p/q is exact at the edges: q == 0 < p -> inf (accepted); p == 0 -> 0 or NaN (rejected).
+        accept = uniforms < p_x / q_x  # [N, K]
+        greedy_rows = greedy.nonzero().squeeze(1)  # [G]
+        if greedy_rows.numel():
+            best = target_probs[greedy_rows, :k].argmax(dim=-1)  # [G, K]
+            accept[greedy_rows] = draft_ids[greedy_rows] == best
+        accept &= torch.arange(k, device=device) < num_draft.unsqueeze(1)  # padding counts as rejected
+        num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [N]: leading run of accepts
+    p_final = target_probs[rows, num_accepted]  # [N, V]
+    weights = p_final
+    if k > 0:
+        rejected = (num_accepted < num_draft) & ~greedy  # [N]
+        at = num_accepted.clamp(max=k - 1)  # [N]: the rejected position (clamped where nothing was)
+        if draft_probs is None:
+            residual = p_final.scatter(1, draft_ids[rows, at].unsqueeze(1), 0.0)  # [N, V]: p without x
+        else:
+            residual = (p_final - draft_probs[rows, at].to(p_final.dtype)).clamp_min(0.0)  # [N, V]
+        has_mass = (residual > 0).any(dim=-1)  # [N]: an empty residual falls back to p
+        weights = torch.where((rejected & has_mass).unsqueeze(1), residual, p_final)  # [N, V]
+    # Exp(1) can be exactly 0; 0/0 would win as NaN. Greedy rows race with unit noise: argmax p.
+    noise = torch.where(greedy.unsqueeze(1), 1.0, exp_noise.clamp_min(torch.finfo(exp_noise.dtype).tiny))  # [N, V]
+    final = (weights / noise).argmax(dim=-1)  # [N]
+    return num_accepted, final
 
 
 @dataclass

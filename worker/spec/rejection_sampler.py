@@ -32,6 +32,11 @@ whether or not it is reached), then one Exp(1) variate per vocabulary entry for 
 token (recovered or bonus), drawn as :class:`~draftwise.worker.sampler.Sampler` draws them.
 A seeded request therefore produces the same tokens whatever else shares its batch, and
 with ``k_i = 0`` it draws exactly the token the plain sampler would.
+
+The accept-and-resample step itself runs on padded tensors through the dispatch point
+(``dispatch.impl("rejection_accept", device)``): a Triton kernel on CUDA, its torch twin
+:func:`draftwise.kernels.reference.rejection_accept` elsewhere. This module draws the
+randomness and pads the batch; an all-greedy batch takes a shortcut that needs neither.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from draftwise.kernels import dispatch
 
 __all__ = ["RejectionOutput", "rejection_sample"]
 
@@ -130,81 +137,47 @@ def rejection_sample(
     if all(greedy):
         return _greedy(target_probs, draft_token_ids, ks)
     device = target_probs.device
+    dtype = target_probs.dtype
+    vocab = target_probs.shape[1]
     max_k = max(ks)
-    target_start = [0] * num_reqs  # row of request i's first position in target_probs
-    draft_start = [0] * num_reqs  # row of request i's first position in draft_probs
-    for i in range(1, num_reqs):
-        target_start[i] = target_start[i - 1] + ks[i - 1] + 1
-        draft_start[i] = draft_start[i - 1] + ks[i - 1]
 
-    # ---- acceptance test, vectorised over all draft positions of the batch
-    num_accepted_t = torch.zeros(num_reqs, dtype=torch.int64, device=device)  # [num_reqs]
-    if max_k > 0:
-        flat_ids = torch.tensor([int(t) for ids in draft_token_ids for t in ids], dtype=torch.int64, device=device)
-        t_rows = torch.tensor(
-            [target_start[i] + j for i in range(num_reqs) for j in range(ks[i])], dtype=torch.int64, device=device
-        )  # [sum(k_i)]: the target row scoring each draft token
-        p_x = target_probs[t_rows, flat_ids]  # [sum(k_i)]
-        if draft_probs is None:
-            q_x = torch.ones_like(p_x)  # [sum(k_i)]: q one-hot at the drafted token
-        else:
-            q_x = draft_probs[torch.arange(len(flat_ids), device=device), flat_ids].to(p_x.dtype)  # [sum(k_i)]
-        # One uniform in [0, 1) per draft position, per request from its own generator.
-        # u < p/q is exact at the edges: p == q -> ratio 1 (always accepted), q == 0 < p -> inf
-        # (accepted), p == 0 -> 0 or NaN (always rejected; comparisons with NaN are False).
-        uniforms = torch.zeros_like(p_x)  # [sum(k_i)]
-        for i in range(num_reqs):
-            if ks[i] > 0 and not greedy[i]:
-                start = draft_start[i]
-                uniforms[start : start + ks[i]] = torch.rand(
-                    ks[i], generator=generators[i], device=device, dtype=p_x.dtype
-                )
-        accept = uniforms < p_x / q_x  # [sum(k_i)]
-        greedy_pos = [draft_start[i] + j for i in range(num_reqs) if greedy[i] for j in range(ks[i])]
-        if greedy_pos:  # greedy rows: accept iff the draft is the argmax
-            gp = torch.tensor(greedy_pos, dtype=torch.int64, device=device)  # [num_greedy_pos]
-            accept[gp] = flat_ids[gp] == target_probs[t_rows[gp]].argmax(dim=-1)
-        # Scatter into [num_reqs, max_k] (padding counts as rejected); accepted = length of the
-        # leading run of accepts.
-        req_of_pos = torch.tensor([i for i in range(num_reqs) for _ in range(ks[i])], dtype=torch.int64, device=device)
-        col_of_pos = torch.tensor([j for i in range(num_reqs) for j in range(ks[i])], dtype=torch.int64, device=device)
-        grid = torch.zeros((num_reqs, max_k), dtype=torch.int64, device=device)  # [num_reqs, max_k]
-        grid[req_of_pos, col_of_pos] = accept.to(torch.int64)
-        num_accepted_t = grid.cumprod(dim=1).sum(dim=1)  # [num_reqs]
-    num_accepted = [int(n) for n in num_accepted_t.tolist()]
+    # ---- padded tensors for the accept-and-resample op: [N, K + 1, V] p, [N, K, V] q, ...
+    if all(k == max_k for k in ks):  # every request drafted K tokens: a view, no copy
+        p_pad = target_probs.reshape(num_reqs, max_k + 1, vocab).contiguous()  # [N, K + 1, V]
+        q_pad = None if draft_probs is None else draft_probs.reshape(num_reqs, max_k, vocab).contiguous()
+    else:
+        p_pad = target_probs.new_zeros(num_reqs, max_k + 1, vocab)  # [N, K + 1, V]
+        p_req = torch.tensor([i for i in range(num_reqs) for _ in range(ks[i] + 1)], device=device)
+        p_pos = torch.tensor([j for i in range(num_reqs) for j in range(ks[i] + 1)], device=device)
+        p_pad[p_req, p_pos] = target_probs
+        q_pad = None
+        if draft_probs is not None:
+            q_pad = draft_probs.new_zeros(num_reqs, max_k, vocab)  # [N, K, V]
+            q_req = torch.tensor([i for i in range(num_reqs) for _ in range(ks[i])], device=device)
+            q_pos = torch.tensor([j for i in range(num_reqs) for j in range(ks[i])], device=device)
+            q_pad[q_req, q_pos] = draft_probs
+    if q_pad is not None and q_pad.dtype != dtype:
+        q_pad = q_pad.to(dtype)
+    ids_pad = torch.tensor(
+        [[int(t) for t in ids] + [0] * (max_k - len(ids)) for ids in draft_token_ids], dtype=torch.int64, device=device
+    ).view(num_reqs, max_k)  # [N, K]
+    num_draft = torch.tensor(ks, dtype=torch.int64, device=device)  # [N]
+    greedy_t = torch.tensor([bool(g) for g in greedy], dtype=torch.bool, device=device)  # [N]
 
-    # ---- the one final token per request: recovered (first rejection) or bonus
-    final_rows = torch.tensor(
-        [target_start[i] + num_accepted[i] for i in range(num_reqs)], dtype=torch.int64, device=device
-    )  # [num_reqs]
-    p_final = target_probs[final_rows]  # [num_reqs, vocab]
-    weights = p_final.clone()  # [num_reqs, vocab], unnormalised: the race below does not need a sum of 1
-    rejected = [num_accepted[i] < ks[i] and not greedy[i] for i in range(num_reqs)]
-    rej_idx = [i for i in range(num_reqs) if rejected[i]]
-    if rej_idx:
-        rej_t = torch.tensor(rej_idx, dtype=torch.int64, device=device)  # [num_rej]
-        if draft_probs is None:
-            rej_tok = torch.tensor([int(draft_token_ids[i][num_accepted[i]]) for i in rej_idx], device=device)
-            residual = weights[rej_t].scatter(1, rej_tok.unsqueeze(1), 0.0)  # [num_rej, vocab]: p without x
-        else:
-            q_rows = torch.tensor([draft_start[i] + num_accepted[i] for i in rej_idx], device=device)
-            residual = (weights[rej_t] - draft_probs[q_rows].to(weights.dtype)).clamp_min(0.0)  # [num_rej, vocab]
-        has_mass = residual.sum(dim=-1, keepdim=True) > 0  # [num_rej, 1]
-        weights[rej_t] = torch.where(has_mass, residual, weights[rej_t])
-
-    # Exponential race as in the Sampler: argmax(w / E), E ~ Exp(1) i.i.d., picks i with
-    # probability w_i / sum(w). Greedy rows draw nothing and take argmax p.
-    noise = torch.ones_like(weights)  # [num_reqs, vocab]
+    # ---- randomness, per request from its own generator, in the documented order and amount:
+    # k_i uniforms in [0, 1), then one Exp(1) variate per vocabulary entry; greedy rows draw nothing.
+    uniforms = torch.zeros(num_reqs, max_k, dtype=dtype, device=device)  # [N, K]
+    for i in range(num_reqs):
+        if ks[i] > 0 and not greedy[i]:
+            uniforms[i, : ks[i]] = torch.rand(ks[i], generator=generators[i], device=device, dtype=dtype)
+    noise = torch.ones(num_reqs, vocab, dtype=dtype, device=device)  # [N, V]
     for i in range(num_reqs):
         if not greedy[i]:
             noise[i].exponential_(generator=generators[i])
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # Exp(1) can be exactly 0; 0/0 would win as NaN
-    final_t = (weights / noise).argmax(dim=-1)  # [num_reqs]
-    greedy_idx = [i for i in range(num_reqs) if greedy[i]]
-    if greedy_idx:
-        gi = torch.tensor(greedy_idx, dtype=torch.int64, device=device)  # [num_greedy]
-        final_t[gi] = p_final[gi].argmax(dim=-1)
-    final = final_t.tolist()  # [num_reqs]
+
+    accept_fn = dispatch.impl("rejection_accept", device)
+    num_accepted_t, final_t = accept_fn(p_pad, q_pad, ids_pad, num_draft, uniforms, noise, greedy_t)  # [N], [N]
+    num_accepted, final = torch.stack([num_accepted_t, final_t]).tolist()  # one host sync
 
     token_ids = [[int(t) for t in draft_token_ids[i][: num_accepted[i]]] + [int(final[i])] for i in range(num_reqs)]
     return RejectionOutput(token_ids=token_ids, num_accepted=num_accepted)
