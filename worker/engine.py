@@ -23,6 +23,7 @@ from draftwise.worker import default_model_path
 from draftwise.worker.block_manager import BlockManager
 from draftwise.worker.config import EngineConfig
 from draftwise.worker.detokenizer import IncrementalDetokenizer
+from draftwise.worker.graph_runner import GraphConfig
 from draftwise.worker.kv_cache import KVCache, bytes_per_block
 from draftwise.worker.loader import LoadedModel, load_model
 from draftwise.worker.model_config import ModelLoadError
@@ -92,6 +93,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.kv_cache)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self._init_speculation(draft, num_blocks)
+        self.graph_capture_seconds = self._capture_graphs(max_batched)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -120,6 +122,35 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ sizing
+
+    def _capture_graphs(self, max_batched: int) -> float:
+        """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
+        steps (1 + k tokens per request) and of the draft's propose steps (a catch-up of 1 or
+        2 tokens, then 1), for batch-size buckets up to max_num_seqs, all in one memory pool
+        (DESIGN §5). Returns the seconds capture took (0.0: none)."""
+        cfg = self.config
+        if self.loaded.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        k = cfg.spec_k if self.spec_method is not None else 0
+        target = self.runner.enable_graphs(
+            GraphConfig.for_steps(cfg.max_num_seqs, 1 + k, max_batched, self.max_model_len), pool, cfg.enforce_eager
+        )
+        draft = None
+        if self.proposer is not None:
+            draft = self.proposer.runner.enable_graphs(
+                GraphConfig.for_steps(cfg.max_num_seqs, 2, max_batched, self.max_model_len), pool, cfg.enforce_eager
+            )
+        seconds = time.perf_counter() - t0
+        log.info(
+            "cuda graph capture",
+            seconds=round(seconds, 2),
+            target_graphs=target.num_graphs if target else 0,
+            draft_graphs=draft.num_graphs if draft else 0,
+            enforce_eager=cfg.enforce_eager,
+        )
+        return seconds if target or draft else 0.0
 
     def _load_draft(self) -> LoadedModel | None:
         """The draft model, when speculative_method is "draft" (checked against the target)."""

@@ -1,17 +1,26 @@
 """Runs one forward pass of a flat batch: the new tokens of many sequences (prompt chunks,
 single decode tokens, verify runs) concatenated, each at its own position, attention
-reading earlier context from the paged KV cache."""
+reading earlier context from the paged KV cache.
+
+On CUDA, :meth:`ModelRunner.enable_graphs` captures the small steps (decode, verify,
+draft propose) as CUDA graphs; ``run`` then replays them where a step fits a captured
+shape and runs everything else eagerly (``draftwise.worker.graph_runner``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import structlog
 import torch
 
 from draftwise.kernels import AttentionMetadata, get_attention_backend
+from draftwise.worker.graph_runner import GraphConfig, GraphRunner, graph_unsupported_reason
 from draftwise.worker.kv_cache import KVCache
 from draftwise.worker.loader import LoadedModel
+
+log = structlog.get_logger("draftwise.runner")
 
 
 @dataclass(frozen=True)
@@ -33,14 +42,35 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = loaded.device
         self.backend = get_attention_backend(loaded.device, prefer_reference)
+        self.graph_runner: GraphRunner | None = None  # set by enable_graphs on CUDA
 
     @property
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    def enable_graphs(self, config: GraphConfig, pool: Any = None, enforce_eager: bool = False) -> GraphRunner | None:
+        """Capture CUDA graphs for the shapes of ``config`` (sharing the memory pool ``pool``
+        when given); steps that fit one are replayed from then on. Returns None, capturing
+        nothing, where graphs do not apply (``enforce_eager``, not CUDA, or an op without a
+        capturable kernel) or when capture failed (logged); the runner then stays eager."""
+        reason = graph_unsupported_reason(self.device, self.backend, enforce_eager)
+        if reason is not None:
+            log.info("cuda graphs off", reason=reason)
+            return None
+        runner = GraphRunner(self.model, self.kv_cache, self.backend, config, pool=pool)
+        runner.capture()
+        if not runner.num_graphs:
+            return None
+        self.graph_runner = runner
+        return runner
+
     @torch.inference_mode()
     def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:  # [sum num_logits, vocab] float32
         """Write the chunks' KV into the cache and return the logits asked for, in order."""
+        if self.graph_runner is not None:
+            logits = self.graph_runner.run(chunks)
+            if logits is not None:
+                return logits
         if not chunks:
             raise ValueError("empty batch")
         ids: list[int] = []

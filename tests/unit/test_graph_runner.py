@@ -1,0 +1,231 @@
+"""The graph runner's plain parts on CPU: bucket choice, padding of every static buffer,
+the eager fallbacks, and the whole replay path (static buffers, padding, dropped outputs)
+run eagerly against ModelRunner.run on the same steps."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.kernels import get_attention_backend
+from draftwise.worker import default_model_path
+from draftwise.worker.graph_runner import (
+    GraphConfig,
+    GraphRunner,
+    batch_size_buckets,
+    choose_shape,
+    graph_unsupported_reason,
+    pad_batch,
+    plan_batch,
+    query_len_buckets,
+)
+from draftwise.worker.kv_cache import KVCache
+from draftwise.worker.loader import load_model
+from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+
+# ---------------------------------------------------------------- buckets
+
+
+def test_batch_size_buckets_cap_at_max_num_seqs():
+    assert batch_size_buckets(128) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+    assert batch_size_buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
+    assert batch_size_buckets(3) == (1, 2, 3)
+    assert batch_size_buckets(1) == (1,)
+    assert batch_size_buckets(10, sizes=(4, 8, 16)) == (4, 8, 10)
+    with pytest.raises(ValueError):
+        batch_size_buckets(0)
+
+
+def test_query_len_buckets():
+    assert query_len_buckets(1) == (1,)
+    assert query_len_buckets(6) == (1, 2, 3, 4, 5, 6)
+    assert query_len_buckets(17) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17)
+    with pytest.raises(ValueError):
+        query_len_buckets(0)
+
+
+def test_graph_config_shapes_order_and_cap():
+    cfg = GraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 3))
+    assert cfg.shapes == [(1, 1), (2, 1), (1, 3), (4, 1), (2, 3), (4, 3)]
+    capped = GraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 3), max_num_tokens=6)
+    assert (4, 3) not in capped.shapes and (2, 3) in capped.shapes
+    assert GraphConfig.for_steps(5, 3).shapes == GraphConfig((1, 2, 4, 5), (1, 2, 3)).shapes
+    for bad in [dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(query_lens=(0, 1)), dict(max_num_tokens=0)]:
+        with pytest.raises(ValueError):
+            GraphConfig(**bad)
+
+
+def test_choose_shape_rounds_up_and_gives_up_above_max():
+    shapes = GraphConfig(batch_sizes=(1, 2, 4, 8), query_lens=(1, 2, 4)).shapes
+    assert choose_shape(shapes, 1, 1) == (1, 1)
+    assert choose_shape(shapes, 3, 1) == (4, 1)
+    assert choose_shape(shapes, 8, 1) == (8, 1)
+    assert choose_shape(shapes, 5, 3) == (8, 4)
+    assert choose_shape(shapes, 2, 2) == (2, 2)
+    assert choose_shape(shapes, 9, 1) is None  # above the largest bucket
+    assert choose_shape(shapes, 1, 5) is None  # longer than any captured query
+    capped = GraphConfig(batch_sizes=(1, 2, 4, 8), query_lens=(1, 2, 4), max_num_tokens=16).shapes
+    assert choose_shape(capped, 5, 3) is None  # (8, 4) was not captured
+
+
+# ---------------------------------------------------------------- padding
+
+
+def test_pad_batch_fills_every_buffer():
+    bs, mb = 4, 6
+    chunks = [
+        SequenceChunk([11, 12, 13], 5, [7, 2, 9, 4], 3),  # verify: positions 5..7 in blocks 2 (offsets 1-3)
+        SequenceChunk([21], 8, [3, 1, 5, 8], 1),  # decode at position 8: block 5, table truncated to 3
+        SequenceChunk([31, 32], 0, [6], 0),  # a short chunk asking for no logits
+    ]
+    b = pad_batch(chunks, batch_size=4, query_len=4, block_size=bs, max_blocks=mb)
+    assert (b.batch_size, b.query_len, b.num_seqs, b.num_tokens) == (4, 4, 3, 16)
+    pad = -1
+    assert b.input_ids.tolist() == [11, 12, 13, 0, 21, 0, 0, 0, 31, 32, 0, 0, 0, 0, 0, 0]
+    assert b.positions.tolist() == [5, 6, 7, 0, 8, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+    assert b.slot_mapping.tolist() == [9, 10, 11, pad, 20, pad, pad, pad, 24, 25] + [pad] * 6
+    assert b.query_start_loc.tolist() == [0, 4, 8, 12, 16]
+    # real sequences end Q tokens past their start; the padding sequence holds Q tokens
+    assert b.seq_lens.tolist() == [9, 12, 4, 4]
+    assert b.block_tables.tolist() == [[7, 2, 0, 0, 0, 0], [3, 1, 5, 0, 0, 0], [6, 0, 0, 0, 0, 0], [0] * 6]
+    assert b.logit_rows.tolist() == [0, 1, 2, 4]  # padding rows and the no-logits chunk are dropped
+    assert b.input_ids.dtype == np.int64 and b.slot_mapping.dtype == np.int64
+    assert b.seq_lens.dtype == np.int32 and b.block_tables.dtype == np.int32 and b.query_start_loc.dtype == np.int32
+
+
+def test_pad_batch_all_padding_and_errors():
+    b = pad_batch([], batch_size=2, query_len=1, block_size=16, max_blocks=3)
+    assert b.slot_mapping.tolist() == [-1, -1]
+    assert b.seq_lens.tolist() == [1, 1]
+    assert b.block_tables.tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert b.logit_rows.tolist() == []
+    with pytest.raises(ValueError, match="bucket"):
+        pad_batch([SequenceChunk([1], 0, [0])] * 3, 2, 1, 16, 3)
+    with pytest.raises(ValueError, match="tokens"):
+        pad_batch([SequenceChunk([1, 2], 0, [0])], 1, 1, 16, 3)
+    with pytest.raises(ValueError, match="block table"):
+        pad_batch([SequenceChunk([1], 16, [0])], 1, 1, 16, 3)
+
+
+def test_plan_batch_sends_other_steps_eager():
+    shapes = GraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 2)).shapes
+    args = dict(shapes=shapes, block_size=4, max_blocks=8, max_positions=32)
+    decode = [SequenceChunk([1], 3, [0]), SequenceChunk([2], 7, [1, 2])]
+    planned = plan_batch(decode, **args)
+    assert planned is not None and (planned.batch_size, planned.query_len) == (2, 1)
+    assert plan_batch([], **args) is None
+    assert plan_batch([*decode, SequenceChunk([1, 2, 3], 0, [3])], **args) is None  # a prompt chunk: mixed step
+    assert plan_batch([SequenceChunk([1], i, [0, 1]) for i in range(5)], **args) is None  # above the largest bucket
+    # malformed steps: the eager path raises the error
+    assert plan_batch([SequenceChunk([], 0, [0])], **args) is None
+    assert plan_batch([SequenceChunk([1], 0, [0], num_logits=2)], **args) is None
+    assert plan_batch([SequenceChunk([1], 32, list(range(9)))], **args) is None  # beyond max_positions
+    assert plan_batch([SequenceChunk([1], 4, [0])], **args) is None  # table too short
+
+
+# ---------------------------------------------------------------- when graphs are (not) used
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(default_model_path("draft"), dtype="float32")  # 1 layer, 8 heads over 4 KV heads
+
+
+def test_cpu_and_enforce_eager_never_capture(loaded):
+    cfg = loaded.config
+    cache = KVCache(cfg, 8, 4, torch.float32, "cpu")
+    runner = ModelRunner(loaded, cache)
+    assert runner.enable_graphs(GraphConfig()) is None and runner.graph_runner is None
+    assert "CUDA device" in graph_unsupported_reason(torch.device("cpu"), runner.backend)
+    cuda_twin = get_attention_backend("cuda", prefer_reference=True)  # no CUDA needed to build one
+    assert "enforce_eager" in graph_unsupported_reason(torch.device("cuda"), cuda_twin, enforce_eager=True)
+    assert "not capturable" in graph_unsupported_reason(torch.device("cuda"), cuda_twin)
+    gr = GraphRunner(loaded.model, cache, runner.backend, GraphConfig(batch_sizes=(1, 2)))
+    assert not gr.use_graphs
+    assert gr.capture() == 0.0 and gr.num_graphs == 0
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphRunner(loaded.model, cache, runner.backend, GraphConfig(), use_graphs=True)
+
+
+def test_max_model_len_bounds_the_static_block_tables(loaded):
+    cache = KVCache(loaded.config, 40, 4, torch.float32, "cpu")
+    backend = get_attention_backend("cpu")
+    full = GraphRunner(loaded.model, cache, backend, GraphConfig(batch_sizes=(1, 2), query_lens=(1, 3)))
+    assert full.max_blocks == -(-(loaded.config.max_position_embeddings + 2) // 4)
+    gr = GraphRunner(loaded.model, cache, backend, GraphConfig(batch_sizes=(1, 2), query_lens=(1, 3), max_model_len=64))
+    assert gr.max_blocks == -(-(64 + 2) // 4)  # padded queries reach Q - 1 tokens past the context
+    table = list(range(17))
+    assert gr.run([SequenceChunk([5, 6, 7], 61, table, 3)]) is not None  # ends at 64: fits
+    assert gr.run([SequenceChunk([5], 64, table)]) is None  # past max_model_len: eager
+
+
+# ---------------------------------------------------------------- the replay path against ModelRunner.run
+
+
+# per step, per sequence: (new tokens, logits wanted)
+STEPS = [
+    [(1, 1)] * 5,  # decode of 5: bucket 8, three padding sequences
+    [(3, 3), (1, 1), (4, 4), (2, 2), (1, 1)],  # verify with different k: Q = 4
+    [(2, 1), (1, 1)],  # draft catch-up: two tokens, logits for the last
+    [(1, 1)],  # batch of one
+    [(2, 2), (1, 0), (1, 1)],  # a sequence asking for no logits
+]
+
+
+def test_replay_path_matches_model_runner(loaded):
+    """The padded static-buffer path (eager standing in for the graph) gives the logits and
+    the KV cache that ModelRunner.run gives for the same steps; padding writes nothing."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    cfg = loaded.config
+    bs, num_blocks = 4, 48
+    caches = [KVCache(cfg, num_blocks, bs, torch.float32, "cpu") for _ in range(2)]
+    for c in caches:  # the same random contents in both: a stray write would show
+        torch.manual_seed(1)
+        c.k.normal_()
+        c.v.normal_()
+    eager = ModelRunner(loaded, caches[0])
+    padded_prefill = ModelRunner(loaded, caches[1])
+    graphs = GraphRunner(
+        loaded.model, caches[1], padded_prefill.backend, GraphConfig(batch_sizes=(1, 2, 4, 8), query_lens=(1, 2, 4))
+    )
+    assert graphs.max_blocks == -(-(cfg.max_position_embeddings + 3) // bs)
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)  # block tables out of order
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (3, 7, 9, 12, 4)]
+    tables = [pool[i * 8 : (i + 1) * 8] for i in range(5)]  # room for 32 tokens each
+    lens = [len(p) for p in prompts]
+    prefill = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    for r in (eager, padded_prefill):  # prompt chunks: eager on both sides
+        r.run(prefill)
+    for step in STEPS:
+        chunks = []
+        for i, (n, logits) in enumerate(step):
+            chunks.append(SequenceChunk([rng.randrange(cfg.vocab_size) for _ in range(n)], lens[i], tables[i], logits))
+            lens[i] += n
+        want = eager.run(chunks)
+        before = graphs.num_replays
+        got = graphs.run(chunks)
+        assert got is not None and graphs.num_replays == before + 1
+        assert got.shape == want.shape  # padding outputs dropped
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-5, rtol=1e-5)
+
+
+def test_model_runner_uses_the_graph_runner_for_small_steps_only(loaded):
+    cfg = loaded.config
+    runner = ModelRunner(loaded, KVCache(cfg, 16, 4, torch.float32, "cpu"))
+    gr = GraphRunner(loaded.model, runner.kv_cache, runner.backend, GraphConfig(batch_sizes=(1, 2), query_lens=(1,)))
+    runner.graph_runner = gr  # what enable_graphs sets on CUDA
+    runner.run([SequenceChunk([1, 2, 3, 4, 5], 0, [3, 4]), SequenceChunk([6, 7], 0, [5])])  # prompts: eager
+    assert gr.num_replays == 0
+    out = runner.run([SequenceChunk([8], 5, [3, 4]), SequenceChunk([9], 2, [5])])  # decode: graph path
+    assert gr.num_replays == 1 and out.shape == (2, cfg.vocab_size)
+    runner.run([SequenceChunk([8], 6, [3, 4]), SequenceChunk([9], 3, [5]), SequenceChunk([1], 0, [6])])  # 3 > 2
+    assert gr.num_replays == 1
+    with pytest.raises(ValueError, match="num_logits"):  # a malformed step still raises on the eager path
+        runner.run([SequenceChunk([8], 7, [3, 4], num_logits=2)])
