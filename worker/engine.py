@@ -403,7 +403,8 @@ class LLMEngine:
         prop = self.proposer.propose([s.request for s in spec], ks)
         for s, d in zip(spec, prop.token_ids, strict=True):
             s.request.spec_draft_ids = d
-        self.policy.costs.record_draft(len(spec), prop.seconds / prop.num_steps)
+        if prop.seconds_per_step is not None:
+            self.policy.costs.record_draft(len(spec), prop.seconds_per_step)
         self.spec_totals["draft_seconds"] += prop.seconds
         return prop.probs
 

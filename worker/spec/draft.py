@@ -62,6 +62,8 @@ class DraftProposal:
     # request; None when every request is greedy (the verifier then needs no q)
     seconds: float  # wall time of the draft steps
     num_steps: int  # draft forward passes run
+    seconds_per_step: float | None  # mean time of the steps that ran at most 2 tokens per sequence
+    # (a catch-up over a whole prompt is prefill, not what k more draft tokens cost); None: none did
 
 
 class DraftModelProposer:
@@ -124,12 +126,13 @@ class DraftModelProposer:
                 raise ValueError(f"request {r.request_id}: k must be >= 1, got {k}")
             if not self.blocks.grow(r.draft_block_table, end + k - 1):
                 raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
-        chunks = [
+        chunks0 = [
             SequenceChunk(r.token_slice(r.num_draft_computed, end), r.num_draft_computed, r.draft_block_table, 1)
             for r, end in zip(reqs, ends, strict=True)
         ]
-        logits = self.runner.run(chunks)  # [n, draft vocab]
+        logits = self.runner.run(chunks0)  # [n, draft vocab]
         q, toks = self._draw(logits, reqs, drafts)
+        t_first = time.perf_counter()
         for i in range(n):
             reqs[i].num_draft_computed = ends[i]
             drafts[i].append(toks[i])
@@ -151,7 +154,14 @@ class DraftModelProposer:
         if not greedy and any(len(rows) != k for rows, k in zip(q_rows, ks, strict=True)):
             raise AssertionError("a sampling batch must have q for every drafted position")
         probs = None if greedy else torch.stack([t for rows in q_rows for t in rows])  # [sum k, target vocab]
-        return DraftProposal(token_ids=drafts, probs=probs, seconds=time.perf_counter() - t0, num_steps=steps)
+        t_end = time.perf_counter()
+        if max(len(c.token_ids) for c in chunks0) <= 2:
+            per_step: float | None = (t_end - t0) / steps
+        else:
+            per_step = (t_end - t_first) / (steps - 1) if steps > 1 else None
+        return DraftProposal(
+            token_ids=drafts, probs=probs, seconds=t_end - t0, num_steps=steps, seconds_per_step=per_step
+        )
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
         """After verification: keep the draft KV of the accepted prefix only."""

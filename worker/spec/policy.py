@@ -24,6 +24,7 @@ pseudo-observations, so that one unlucky round does not decide a request's fate.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,6 +102,8 @@ class CostModel:
         self.alpha = alpha
         self._verify: dict[int, float] = {}  # tokens in the target's forward -> seconds
         self._draft: dict[int, float] = {}  # sequences in one draft step -> seconds
+        self._keys: dict[int, list[int]] = {id(self._verify): [], id(self._draft): []}  # sorted keys per table
+        self.version = 0  # bumped on every record: the policy's cached decisions go stale
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
         self._update(self._verify, num_tokens, seconds)
@@ -110,18 +113,23 @@ class CostModel:
 
     def _update(self, table: dict[int, float], key: int, seconds: float) -> None:
         old = table.get(key)
+        if old is None:
+            bisect.insort(self._keys[id(table)], key)
         table[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.version += 1
 
-    @staticmethod
-    def _lookup(table: dict[int, float], key: int) -> float | None:
+    def _lookup(self, table: dict[int, float], key: int) -> float | None:
         """The measured time at ``key``; between two measured sizes, linear interpolation;
         outside them, scaled in proportion from the nearest one."""
         if not table:
             return None
-        if key in table:
-            return table[key]
-        below = max((k for k in table if k < key), default=None)
-        above = min((k for k in table if k > key), default=None)
+        got = table.get(key)
+        if got is not None:
+            return got
+        keys = self._keys[id(table)]
+        i = bisect.bisect_left(keys, key)
+        below = keys[i - 1] if i > 0 else None
+        above = keys[i] if i < len(keys) else None
         if below is not None and above is not None:
             w = (key - below) / (above - below)
             return (1 - w) * table[below] + w * table[above]
@@ -140,6 +148,8 @@ class SpeculationPolicy:
     def __init__(self, config: PolicyConfig | None = None, costs: CostModel | None = None) -> None:
         self.config = config or PolicyConfig()
         self.costs = costs or CostModel()
+        self._memo: dict[tuple[float, int, int], int] = {}
+        self._memo_version = -1
 
     def new_state(self, cap: int | None = None) -> RequestSpecState:
         """State for a new request; ``cap`` is its own limit on k (from its SamplingParams)."""
@@ -176,6 +186,18 @@ class SpeculationPolicy:
         return (accepted + cfg.prior_acceptance * cfg.prior_weight) / (accepted + rejected + cfg.prior_weight)
 
     def _best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
+        """The k in [0, cap] with the most expected tokens per second; memoised until the
+        costs change (a batch of many requests asks the same question many times a step)."""
+        if self._memo_version != self.costs.version:
+            self._memo.clear()
+            self._memo_version = self.costs.version
+        key = (round(acceptance, 3), cap, batch_size)
+        k = self._memo.get(key)
+        if k is None:
+            k = self._memo[key] = self._compute_best_k(acceptance, cap, batch_size)
+        return k
+
+    def _compute_best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
         plain = self.costs.target_time(batch_size)
         draft = self.costs.draft_time(batch_size)
         if plain is None or draft is None:
