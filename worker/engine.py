@@ -344,7 +344,9 @@ class LLMEngine:
         deltas = [d for d, _ in pending]
         finished = [o for _, o in pending]
         self._ngram_seconds = 0.0
-        lookahead = self._lookahead if self.spec_method is not None else None
+        lookahead = None
+        if self.spec_method is not None and self.policy.may_pay(len(self.scheduler.running), self.spec_adaptive):
+            lookahead = self._lookahead
         sched = self.scheduler.schedule(lookahead)
         spec_counts = (0, 0)
         if sched.scheduled:
@@ -435,17 +437,10 @@ class LLMEngine:
                         r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
                     )
                 )
+        pure = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
         t0 = time.perf_counter()
         logits = self.runner.run(chunks)  # [sum of num_logits, vocab]
-        if self.spec_method is not None and all(
-            s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled
-        ):
-            # a pure decode/verify step: its cost feeds the speculation policy
-            if logits.device.type == "cuda":
-                torch.cuda.synchronize(logits.device)
-            self.policy.costs.record_target(
-                len(chunks) + sum(s.num_draft_tokens for s in scheduled), time.perf_counter() - t0
-            )
         plain: list[tuple[Request, int]] = []  # (request, its logits row)
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
         row = 0
@@ -461,9 +456,12 @@ class LLMEngine:
                 row += 1
         if plain:
             self._sample_plain(logits, plain, deltas, finished)
-        if verify:
-            return self._verify(logits, verify, draft_probs, deltas, finished)
-        return 0, 0
+        counts = self._verify(logits, verify, draft_probs, deltas, finished) if verify else (0, 0)
+        if self.spec_method is not None and pure:
+            # a pure decode/verify step: its cost (forward, sampling or verification, outputs)
+            # feeds the speculation policy; the draft's share is recorded by _propose
+            self.policy.costs.record_target(num_tokens, time.perf_counter() - t0)
+        return counts
 
     def _emit(
         self,
@@ -474,8 +472,6 @@ class LLMEngine:
         finished: list[RequestOutput],
     ) -> RequestDelta:
         delta = self._append(r, tokens, lps)
-        if r.spec is not None:
-            delta = dataclasses.replace(delta, spec=SpecStats.of(r))
         if delta.finished:
             final = RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else "")
             delta = dataclasses.replace(delta, final=final)
@@ -597,6 +593,7 @@ class LLMEngine:
             finished=req.is_finished,
             finish_reason=None if req.finish_reason is None else req.finish_reason.value,
             stop_reason=req.stop_reason,
+            spec=SpecStats.of(req),
         )
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:

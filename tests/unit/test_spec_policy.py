@@ -180,6 +180,8 @@ def test_no_probes_where_even_perfect_acceptance_would_not_pay():
     st = pol.new_state()
     assert [pol.choose_k(st, 256) for _ in range(20)] == [0] * 20
     assert pol.choose_k(st, 1) > 0 and st.idle_steps == 0  # batch 1 still speculates
+    assert not pol.may_pay(256) and pol.may_pay(1)  # the engine skips the per-request questions at 256
+    assert pol.may_pay(256, adaptive=False)  # a fixed k is the user's call
 
 
 def test_estimate_is_smoothed_towards_the_prior():

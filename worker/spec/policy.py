@@ -177,6 +177,11 @@ class SpeculationPolicy:
             return 1  # re-measure: acceptance and costs move
         return 0
 
+    def may_pay(self, batch_size: int, adaptive: bool = True) -> bool:
+        """Whether drafting could pay at this batch size at all (with perfect acceptance and
+        the largest k); False lets the engine skip the per-request decisions entirely."""
+        return not adaptive or batch_size == 0 or self._best_k(1.0, self.config.max_k, batch_size) > 0
+
     def estimate(self, state: RequestSpecState) -> float:
         """Per-token acceptance over the window (see RequestSpecState.acceptance_rate),
         smoothed towards the prior with prior_weight pseudo-observations."""
