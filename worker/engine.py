@@ -185,7 +185,12 @@ class LLMEngine:
         elif self.spec_method == "ngram":
             self.ngram = NgramProposer(cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 4)
         k = cfg.spec_k
-        self.policy = SpeculationPolicy(PolicyConfig(max_k=k, initial_k=min(4, k)), CostModel())
+        # n-gram lookup costs next to nothing, and its matches come and go with the text (a copy
+        # resumes after an edit): a request it switched off is probed again sooner
+        probe_after = 8 if self.spec_method == "ngram" else PolicyConfig.probe_after
+        self.policy = SpeculationPolicy(
+            PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after), CostModel()
+        )
         self.spec_adaptive = cfg.speculative_adaptive
         self.spec_totals = {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
         self._ngram_seconds = 0.0
