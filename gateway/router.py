@@ -16,13 +16,10 @@ import structlog
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import worker_service_pb2 as wpb
+from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
 
 log = structlog.get_logger("draftwise.gateway.router")
 
-MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
-SPEC_METHOD_KEY = "draftwise-speculative-method"
-DRAFT_MODEL_KEY = "draftwise-draft-model"
-SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"
 """Trailing metadata of the worker's GetLoad: the context length of its model."""
 
 SLOW_POLLS_BEFORE_DOWN = 3

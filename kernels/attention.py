@@ -32,7 +32,7 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
 
 

@@ -29,6 +29,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]  # host copy of seq_lens
     max_query_len: int  # longest new-token run
     max_seq_len: int  # longest context
+    has_padding: bool = False  # some slot_mapping entries are -1 (graph padding): write nothing for them
     backend_state: dict[str, Any] = field(default_factory=dict)  # a backend's per-forward plan
 
     @property

@@ -23,17 +23,16 @@ def write_kv_cache(
     v: torch.Tensor,  # [T, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [T] int64
+    slot_mapping: torch.Tensor,  # [T] int64; with skip_negative, -1 means "do not write"
+    skip_negative: bool = False,
 ) -> None:
-    """Store each new token's key and value at its slot; a slot of -1 (any negative slot)
-    means "do not write": a CUDA-graph runner pads a batch up to its bucket with such tokens.
-
-    The common case (no padding) stays one ``index_copy_`` per cache; only a batch that holds
-    a negative slot pays for the filter (one host read of a flag, which the twin may afford:
-    the Triton kernel skips such tokens without one).
-    """
+    """Store each new token's key and value at its slot. With ``skip_negative`` (the batch
+    holds padding: a CUDA-graph runner pads up to its bucket with slot -1) tokens with a
+    negative slot are left out; the caller knows this per forward pass, so the common case
+    stays one ``index_copy_`` per cache with no check (the Triton kernel skips negative slots
+    always, for free)."""
     h, d = k_cache.shape[-2:]
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+    if skip_negative:
         keep = (slot_mapping >= 0).nonzero().squeeze(1)  # [T_kept]
         k, v, slot_mapping = k.index_select(0, keep), v.index_select(0, keep), slot_mapping.index_select(0, keep)
     k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))

@@ -60,6 +60,7 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64; -1: do not write
+    skip_negative: bool = False,  # the twin's switch; the kernel always skips negative slots
 ) -> None:
     """Store each new token's key and value at its slot (one program per token); tokens with
     a negative slot are skipped on the device, without a host read."""

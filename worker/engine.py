@@ -492,7 +492,7 @@ class LLMEngine:
         finished: list[RequestOutput],
     ) -> None:
         reqs = [r for r, _ in plain]
-        rows = [_row(r) for r in reqs]
+        rows = [r.sampling_row() for r in reqs]
         idx = [i for _, i in plain]
         if idx != list(range(logits.shape[0])):
             logits = logits[torch.tensor(idx, device=logits.device)]
@@ -514,7 +514,7 @@ class LLMEngine:
         for s, first in verify:
             r, k = s.request, s.num_draft_tokens
             idx.extend(range(first, first + k + 1))
-            rows.extend(_row(r, r.spec_draft_ids[:j]) for j in range(k + 1))
+            rows.extend(r.sampling_row(r.spec_draft_ids[:j]) for j in range(k + 1))
         v_logits = logits[torch.tensor(idx, device=logits.device)]  # [sum(k + 1), vocab]
         p = processed_probs(v_logits, rows)  # [sum(k + 1), vocab]
         reqs = [s.request for s, _ in verify]
@@ -638,17 +638,6 @@ class LLMEngine:
             blocks.pool.check([])
             if blocks.num_free_blocks != blocks.num_blocks:
                 raise AssertionError(f"{blocks.num_blocks - blocks.num_free_blocks} {name} blocks still in use")
-
-
-def _row(req: Request, drafts: list[int] | None = None) -> SamplingRow:
-    """The sampler's view of ``req``, as if ``drafts`` had been appended to its output."""
-    return SamplingRow(
-        params=req.sampling_params,
-        generator=req.generator,
-        prompt_token_ids=req.prompt_token_ids,
-        output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
-        eos_token_ids=req.eos_token_ids,
-    )
 
 
 def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:

@@ -370,6 +370,7 @@ class GraphRunner:
             seq_lens_cpu=seq_lens_cpu,
             max_query_len=q,
             max_seq_len=max(seq_lens_cpu),
+            has_padding=True,  # a padded shape: slots of padding tokens are -1
         )
 
     def _forward(self, b: int, q: int, meta: AttentionMetadata) -> None:

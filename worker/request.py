@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftwise.worker.sampler import SamplingRow
 from draftwise.worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from draftwise.worker.detokenizer import IncrementalDetokenizer
     from draftwise.worker.sampler import TokenLogprobs
     from draftwise.worker.spec.policy import RequestSpecState
@@ -82,6 +85,17 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def sampling_row(self, drafts: Sequence[int] = ()) -> SamplingRow:
+        """The sampler's view of this request, as if ``drafts`` had been appended to its output
+        (speculative decoding shapes each draft position's p and q this way)."""
+        return SamplingRow(
+            params=self.sampling_params,
+            generator=self.generator,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids + list(drafts) if drafts else self.output_token_ids,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

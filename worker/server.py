@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
+from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
 from draftwise.worker.async_engine import AsyncEngine
 from draftwise.worker.config import EngineConfig
 from draftwise.worker.engine import LLMEngine
@@ -43,10 +44,6 @@ from draftwise.worker.proto_convert import prompt_from_proto, responses_from_del
 log = structlog.get_logger("draftwise.worker")
 
 SERVICE_NAME = "draftwise.v1.WorkerService"
-MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
-SPEC_METHOD_KEY = "draftwise-speculative-method"  # "draft" | "ngram"; absent without speculation
-DRAFT_MODEL_KEY = "draftwise-draft-model"  # the draft's name, with speculative_method "draft"
-SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"  # the most tokens drafted per step
 """Trailing metadata of GetLoad: the served model's context length."""
 TOKENS_PER_SECOND_WINDOW_S = 5.0
 """GetLoad's tokens_per_second counts the output tokens of this many last seconds."""

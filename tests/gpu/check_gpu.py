@@ -262,7 +262,7 @@ def check_write_kv(ctx: Ctx, rows: list[Row]) -> None:
             slots = slots.to(ctx.device)
             caches = [torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=ctx.device)]
             caches = [caches[0].clone() for _ in range(4)]
-            reference.write_kv_cache(k, v, caches[0], caches[1], slots)
+            reference.write_kv_cache(k, v, caches[0], caches[1], slots, True)
             triton_ops.write_kv_cache(k, v, caches[2], caches[3], slots)
             same = all(
                 torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))

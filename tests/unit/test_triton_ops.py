@@ -58,7 +58,7 @@ def test_write_kv_cache_matches_twin(block_size: int, dtype: torch.dtype, cache_
     caches = {}
     for name, fn in (("twin", reference.write_kv_cache), ("triton", triton_ops.write_kv_cache)):
         kc, vc = poison.clone().to(DEVICE), (poison.clone() * -1).to(DEVICE)
-        fn(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
+        fn(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE), True)  # the batch holds padding
         caches[name] = (kc.cpu(), vc.cpu())
     assert torch.equal(caches["twin"][0], caches["triton"][0])
     assert torch.equal(caches["twin"][1], caches["triton"][1])
@@ -77,8 +77,9 @@ def test_write_kv_cache_all_padding_and_empty() -> None:
     vc = torch.zeros(2, 16, 1, 4, device=DEVICE)
     k = torch.ones(3, 1, 4, device=DEVICE)
     for fn in (reference.write_kv_cache, triton_ops.write_kv_cache):
-        fn(k, k, kc, vc, torch.full((3,), -1, dtype=torch.int64, device=DEVICE))
+        fn(k, k, kc, vc, torch.full((3,), -1, dtype=torch.int64, device=DEVICE), True)
         fn(k[:0], k[:0], kc, vc, torch.zeros(0, dtype=torch.int64, device=DEVICE))
+        fn(k[:0], k[:0], kc, vc, torch.zeros(0, dtype=torch.int64, device=DEVICE), True)
     assert not kc.any() and not vc.any()
 
 

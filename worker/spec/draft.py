@@ -35,7 +35,7 @@ from draftwise.worker.kv_cache import KVCache
 from draftwise.worker.loader import LoadedModel
 from draftwise.worker.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.request import Request
-from draftwise.worker.sampler import SamplingRow, processed_probs, sample_from_probs
+from draftwise.worker.sampler import processed_probs, sample_from_probs
 
 __all__ = ["DraftModelProposer", "DraftProposal"]
 
@@ -86,18 +86,6 @@ class DraftModelProposer:
     def max_positions(self) -> int:
         return self.loaded.config.max_position_embeddings
 
-    def _rows(self, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]) -> list[SamplingRow]:
-        return [
-            SamplingRow(
-                params=r.sampling_params,
-                generator=r.generator,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids + list(d) if d else r.output_token_ids,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r, d in zip(reqs, drafts, strict=True)
-        ]
-
     def _draw(
         self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
     ) -> tuple[torch.Tensor | None, list[int]]:
@@ -106,7 +94,7 @@ class DraftModelProposer:
         the argmax directly; q is then not built (the verifier needs none for greedy rows)."""
         if all(_plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
             return None, [int(t) for t in logits.argmax(dim=-1).tolist()]
-        rows = self._rows(reqs, drafts)
+        rows = [r.sampling_row(d) for r, d in zip(reqs, drafts, strict=True)]
         q = processed_probs(logits, rows)  # [n, draft vocab]
         if q.shape[1] < self.target_vocab:  # a draft with a smaller (unpadded) vocabulary: q = 0 beyond it
             q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))

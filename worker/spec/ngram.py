@@ -56,7 +56,7 @@ class NgramProposer:
         """
         if not _is_int(k) or k < 0:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
-        toks = list(token_ids)
+        toks = token_ids if isinstance(token_ids, list) else list(token_ids)  # read only: no copy of a list
         n = len(toks)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if k == 0 or n < lo + 1:  # a suffix of length lo plus an earlier occurrence of its last token
