@@ -1,0 +1,162 @@
+"""Processes and checks shared by the reliability suites: a plain worker and a speculating
+worker (the embedded draft model) of the embedded default model, each behind its own
+gateway so that a test can aim traffic at one of them, started once per module."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from draftwise.v1 import generate_service_pb2 as gspb
+from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+from draftwise.v1 import generation_pb2 as pb
+from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, start_gateway
+from tests.integration.rpc import start, wait_workers_idle
+
+WORKER_KINDS: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "spec": ("--speculative-model=default",),
+}
+"""Worker name -> extra engine flags: one without speculation, one with the embedded draft."""
+
+IDLE_TIMEOUT_S = 2.0
+"""How long the workers get to show every KV block free and nothing running after a suite."""
+
+
+@dataclass
+class Stack:
+    """Real workers, one gateway in front of each, and the worker PIDs seen at start."""
+
+    workers: dict[str, Proc]
+    gateways: dict[str, Proc]
+    pids: dict[str, int]
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [w.address for w in self.workers.values()]
+
+
+def start_worker(name: str, tmp: Path, extra: Sequence[str] = ()) -> Proc:
+    """One worker process of the embedded default model, started the way
+    ``tests.integration.procs.start_workers`` starts them (not waited for)."""
+    args = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *ENGINE_ARGS, *extra]
+    return Proc(name, args, tmp)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp(f"rel-{request.module.__name__.rsplit('.', 1)[-1]}")
+    workers = {name: start_worker(f"worker-{name}", tmp, extra) for name, extra in WORKER_KINDS.items()}
+    gateways: dict[str, Proc] = {}
+    try:
+        for w in workers.values():
+            w.wait_ready()
+        for name, w in workers.items():
+            gateways[name] = start_gateway([w], tmp, f"gateway-{name}")
+        yield Stack(workers, gateways, {name: w.popen.pid for name, w in workers.items()})
+    finally:
+        for g in gateways.values():
+            g.stop()
+        for w in workers.values():
+            w.stop()
+
+
+def status_name(code: grpc.StatusCode | int) -> str:
+    """``INVALID_ARGUMENT`` for a StatusCode or its number."""
+    if isinstance(code, int):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    return code.name
+
+
+async def normal_request(address: str) -> pb.GenerationEvent:
+    """The final event of a small greedy GenerateStream request (raises AioRpcError on failure)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = gsgrpc.GenerateServiceStub(ch)
+        final = None
+        req = gspb.GenerateStreamRequest(start=start("", "def fibonacci(n):", max_tokens=4, temperature=0))
+        async for resp in stub.GenerateStream(req, timeout=30):
+            if resp.event.WhichOneof("kind") != "delta":
+                final = resp.event
+        assert final is not None
+        return final
+
+
+def assert_survived(stack: Stack, idle_timeout: float = IDLE_TIMEOUT_S) -> float:
+    """The same worker processes are alive (none died or was replaced), hold no KV block and
+    run nothing within ``idle_timeout`` seconds, and each serves a normal request through its
+    gateway. Returns the seconds the workers took to become idle."""
+    dead = {
+        name: (w.popen.returncode, w.log()[-3000:]) for name, w in stack.workers.items() if w.popen.poll() is not None
+    }
+    assert not dead, f"workers died: {dead}"
+    assert {name: w.popen.pid for name, w in stack.workers.items()} == stack.pids
+
+    async def main() -> tuple[float, dict[str, pb.GenerationEvent]]:
+        idle = await wait_workers_idle(stack.worker_addresses, timeout=idle_timeout)
+        finals = {name: await normal_request(g.address) for name, g in stack.gateways.items()}
+        return idle, finals
+
+    idle, finals = asyncio.run(main())
+    for name, final in finals.items():
+        assert final.WhichOneof("kind") == "finished", (name, final)
+        assert final.finished.finish_reason == pb.FINISH_REASON_LENGTH, (name, final)
+        assert final.finished.usage.completion_tokens == 4, (name, final)
+    return idle
+
+
+def format_table(counts: Counter[tuple[str, str]], title: str) -> str:
+    """A markdown table of case kind x outcome counts, with row and column totals."""
+    kinds = sorted({k for k, _ in counts})
+    outcomes = sorted({o for _, o in counts})
+    lines = [f"| {title} | " + " | ".join(outcomes) + " | total |", "|---" * (len(outcomes) + 2) + "|"]
+    for k in kinds:
+        row = [counts.get((k, o), 0) for o in outcomes]
+        lines.append(f"| {k} | " + " | ".join(str(n) if n else "" for n in row) + f" | {sum(row)} |")
+    col = [sum(counts.get((k, o), 0) for k in kinds) for o in outcomes]
+    lines.append("| **total** | " + " | ".join(str(n) for n in col) + f" | {sum(col)} |")
+    return "\n".join(lines)
+
+
+class Stopwatch:
+    """Seconds since construction."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.t0
+
+
+# -- protobuf wire encoding, for messages the generated classes refuse to build (negative
+# values in unsigned fields, invalid UTF-8, truncated or random bytes) --------------------
+
+
+def varint(n: int) -> bytes:
+    """Base-128 varint of ``n`` (a negative number as its 64-bit two's complement, 10 bytes)."""
+    n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def field_varint(number: int, value: int) -> bytes:
+    """A varint field (wire type 0)."""
+    return varint(number << 3) + varint(value)
+
+
+def field_bytes(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2): a string, bytes or an embedded message."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload

@@ -1,0 +1,591 @@
+"""Fuzz: thousands of malformed and edge-case requests over ``Generate`` (the multiplexed
+stream) and ``GenerateStream``, through real gateways, to a plain and a speculating worker.
+
+Every response must be a precise status from the list allowed for its kind of case (never
+UNKNOWN or INTERNAL, never a hang, never an error message that echoes unbounded input), and
+afterwards the same worker processes must be alive, hold no KV block, and serve. The cases
+are deterministic: sampling parameters come from hypothesis (derandomized), the rest from a
+seeded generator. Run with ``-s`` to see the table of case kinds x statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from draftwise.v1 import generate_service_pb2 as gspb
+from draftwise.v1 import generation_pb2 as pb
+from tests.integration.procs import MAX_MODEL_LEN, ROOT
+from tests.integration.prompts import BASES
+from tests.reliability.conftest import (
+    Stack,
+    Stopwatch,
+    assert_survived,
+    field_bytes,
+    field_varint,
+    format_table,
+    status_name,
+)
+
+SEED = 1010
+N_PARAM_CASES = 1300
+"""Hypothesis-generated sampling parameter / prompt combinations."""
+MIN_CASES = 2000
+VOCAB_SIZE = json.loads((ROOT / "worker/default_models/target/config.json").read_text())["vocab_size"]
+MAX_ERROR_MESSAGE = 4096
+"""Longest acceptable error message: a longer one echoes unbounded client input."""
+CONCURRENCY = 32
+"""Calls in flight at once."""
+BIDI_BATCH = 40
+"""Requests per multiplexed stream."""
+CALL_TIMEOUT_S = 60.0
+RAW_TIMEOUT_S = 5.0
+"""Deadline of calls carrying undecodable bytes: a call still open then has hung."""
+GENERATE = "/draftwise.v1.GenerateService/Generate"
+GENERATE_STREAM = "/draftwise.v1.GenerateService/GenerateStream"
+
+OK, ABORT, NO_EVENT, MISSING = "OK", "ABORT", "NO_EVENT", "MISSING"
+IA, DE = "INVALID_ARGUMENT", "DEADLINE_EXCEEDED"
+LONG = "+LONG_MESSAGE"
+"""Appended to a status whose message is longer than MAX_ERROR_MESSAGE."""
+
+
+@dataclass
+class Msg:
+    """One client message, counted as one case (unless ``expect`` is "ignore")."""
+
+    kind: str
+    wire: bytes
+    """A serialized GenerateRequest (GenerateStreamRequest has the same field number: same bytes)."""
+    allowed: frozenset[str]
+    rid: str = ""
+    expect: str = "final"
+    """final: the events with ``rid`` end in one of ``allowed`` (duplicates: outcomes joined
+    with "+"); none: no event carries ``rid``; anon: one error event with an empty id;
+    ignore: not counted (a filler in a call whose own status is the case)."""
+
+
+@dataclass
+class Call:
+    """One RPC: a Generate stream carrying ``messages`` or a GenerateStream with one."""
+
+    rpc: str  # "bidi" | "stream"
+    gateway: str
+    messages: list[Msg]
+    timeout: float = CALL_TIMEOUT_S
+    kind: str = "stream_end"
+    """Bidi: the kind under which the call's own status is counted."""
+    allowed: frozenset[str] = frozenset({OK})
+    """Bidi: allowed call statuses."""
+
+
+def allow(*outcomes: str) -> frozenset[str]:
+    return frozenset(outcomes)
+
+
+# -- building requests --------------------------------------------------------------------
+
+
+def text_prompt(text: str) -> pb.Prompt:
+    return pb.Prompt(text=text)
+
+
+def ids_prompt(ids: list[int]) -> pb.Prompt:
+    return pb.Prompt(token_ids=pb.TokenIds(ids=ids))
+
+
+def start_msg(
+    rid: str,
+    prompt: pb.Prompt | None,
+    params: dict | None = None,
+    model: str = "",
+    spec: dict | None = None,
+) -> bytes:
+    s = pb.StartGeneration(request_id=rid, model=model, sampling_params=pb.SamplingParams(**(params or {})))
+    if prompt is not None:
+        s.prompt.CopyFrom(prompt)
+    if spec is not None:
+        s.speculation.CopyFrom(pb.SpeculationOptions(**spec))
+    return gspb.GenerateRequest(start=s).SerializeToString()
+
+
+def raw_start(rid: str, prompt: bytes, params: bytes) -> bytes:
+    """A GenerateRequest.start built from raw StartGeneration fields."""
+    start = field_bytes(1, rid.encode()) + field_bytes(3, prompt) + field_bytes(4, params)
+    return field_bytes(1, start)
+
+
+SMALL = {"max_tokens": 2, "temperature": 0.0}
+
+
+def short_prompt(rng: random.Random) -> pb.Prompt:
+    return text_prompt(rng.choice(BASES))
+
+
+# -- hypothesis: sampling parameters and prompts, with an oracle ----------------------------
+
+ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True)
+
+
+def _float_field(*typical: float) -> st.SearchStrategy[float | None]:
+    return st.one_of(st.none(), st.sampled_from(typical), st.floats(-3, 3), ANY_FLOAT)
+
+
+@st.composite
+def param_specs(draw: st.DrawFn) -> tuple[pb.Prompt | None, dict, dict | None]:
+    prompt = draw(
+        st.one_of(
+            st.none(),
+            st.text(max_size=60).map(text_prompt),
+            st.lists(st.integers(0, VOCAB_SIZE + 100), max_size=40).map(ids_prompt),
+        )
+    )
+    params = {
+        "temperature": draw(_float_field(0.0, 1e-6, 0.7, 1.0, 2.0)),
+        "top_p": draw(_float_field(0.0, 1e-9, 0.5, 1.0, 1.0000001)),
+        "top_k": draw(st.one_of(st.integers(-3, 50), st.integers(-(2**31), 2**31 - 1))),
+        "min_p": draw(st.one_of(st.just(0.0), st.floats(-0.5, 1.5), ANY_FLOAT)),
+        "max_tokens": draw(st.one_of(st.none(), st.integers(0, 4))),
+        "min_tokens": draw(st.one_of(st.just(0), st.integers(0, 20))),
+        "stop": draw(st.lists(st.text(max_size=8), max_size=4)),
+        "stop_token_ids": draw(st.lists(st.integers(0, 2**32 - 1), max_size=4)),
+        "ignore_eos": draw(st.booleans()),
+        "seed": draw(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))),
+        "presence_penalty": draw(st.one_of(st.just(0.0), st.floats(-3, 3), ANY_FLOAT)),
+        "frequency_penalty": draw(st.one_of(st.just(0.0), st.floats(-3, 3), ANY_FLOAT)),
+        "repetition_penalty": draw(_float_field(1.0, 0.0, 1.3, -1.0)),
+        "logprobs": draw(st.one_of(st.none(), st.integers(0, 25))),
+        "skip_special_tokens": draw(st.one_of(st.none(), st.booleans())),
+        "include_stop_str_in_output": draw(st.booleans()),
+    }
+    spec = draw(
+        st.one_of(
+            st.none(),
+            st.fixed_dictionaries(
+                {},
+                optional={"enabled": st.booleans(), "max_speculative_tokens": st.integers(0, 40)},
+            ),
+        )
+    )
+    return prompt, {k: v for k, v in params.items() if v is not None}, spec
+
+
+def _finite_in(v: float, ok: Callable[[float], bool]) -> bool:
+    return math.isfinite(v) and ok(v)
+
+
+def params_valid(prompt: pb.Prompt | None, p: dict, spec: dict | None) -> bool:
+    """The contract of draftwise.v1.SamplingParams and Prompt (generation.proto)."""
+    kind = None if prompt is None else prompt.WhichOneof("kind")
+    if kind is None or (kind == "text" and not prompt.text) or (kind == "token_ids" and not prompt.token_ids.ids):
+        return False
+    if kind == "token_ids" and max(prompt.token_ids.ids) >= VOCAB_SIZE:
+        return False
+    max_tokens = p.get("max_tokens", 16)
+    checks = [
+        _finite_in(p.get("temperature", 1.0), lambda v: v >= 0),
+        _finite_in(p.get("top_p", 1.0), lambda v: 0 < v <= 1),
+        p["top_k"] >= -1,
+        _finite_in(p["min_p"], lambda v: 0 <= v <= 1),
+        max_tokens >= 1,
+        p["min_tokens"] <= max_tokens,
+        all(p["stop"]),
+        _finite_in(p["presence_penalty"], lambda v: -2 <= v <= 2),
+        _finite_in(p["frequency_penalty"], lambda v: -2 <= v <= 2),
+        _finite_in(p.get("repetition_penalty", 1.0), lambda v: v > 0),
+        p.get("logprobs", 0) <= 20,
+        not spec or spec.get("max_speculative_tokens", 1) >= 1,
+    ]
+    return all(checks)
+
+
+def hypothesis_params(n: int) -> list[tuple[pb.Prompt | None, dict, dict | None]]:
+    """``n`` generated combinations, the same on every run."""
+    out: list[tuple[pb.Prompt | None, dict, dict | None]] = []
+
+    @settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(param_specs())
+    def collect(case: tuple[pb.Prompt | None, dict, dict | None]) -> None:
+        out.append(case)
+
+    collect()
+    return out
+
+
+# -- the cases ----------------------------------------------------------------------------
+
+
+def build_calls(rng: random.Random) -> list[Call]:
+    """Every call of the suite, in a seeded random order."""
+    gws = ("plain", "spec")
+    bidi: dict[str, list[Msg]] = {g: [] for g in gws}  # packed into streams of BIDI_BATCH below
+    streams: list[Call] = []
+    calls: list[Call] = []
+    counter = iter(range(10**9))
+
+    def rid(kind: str) -> str:
+        return f"{kind}-{next(counter)}"
+
+    def add(
+        kind: str, wire_of: Callable[[str], bytes], allowed: frozenset[str], rpc: str | None = None, gw: str = ""
+    ) -> None:
+        """One case on a gateway and RPC picked at random (or ``gw``, ``rpc``)."""
+        r = rid(kind)
+        gw = gw or rng.choice(gws)
+        rpc = rpc or rng.choice(("bidi", "stream"))
+        msg = Msg(kind, wire_of(r), allowed, r)
+        if rpc == "bidi":
+            bidi[gw].append(msg)
+        else:
+            streams.append(Call("stream", gw, [msg]))
+
+    for i, (prompt, params, spec) in enumerate(hypothesis_params(N_PARAM_CASES)):
+        ok = params_valid(prompt, params, spec)
+        add(
+            "params_valid" if ok else "params_invalid",
+            lambda r, p=prompt, q=params, s=spec: start_msg(r, p, q, spec=s),
+            allow(OK if ok else IA),
+            "bidi" if i % 2 else "stream",
+        )
+    for prompt in [text_prompt(""), ids_prompt([]), None] * 10:
+        add("empty_prompt", lambda r, p=prompt: start_msg(r, p, SMALL), allow(IA))
+    for _ in range(30):
+        n = rng.randint(MAX_MODEL_LEN, 4 * MAX_MODEL_LEN)
+        add(
+            "long_prompt_ids",
+            lambda r, n=n: start_msg(r, ids_prompt([rng.randrange(VOCAB_SIZE)] * n), SMALL),
+            allow(IA),
+        )
+    for _ in range(20):
+        text = "x = 1\n" * rng.randint(MAX_MODEL_LEN, 3 * MAX_MODEL_LEN)
+        add("long_prompt_text", lambda r, t=text: start_msg(r, text_prompt(t), SMALL), allow(IA))
+    for gw in gws:  # megabytes of text: refused by size, without stalling the worker (defect 6)
+        for rpc, size in (("bidi", 1 << 20), ("stream", 3_900_000)):
+            add("huge_prompt_text", lambda r, s=size: start_msg(r, text_prompt("a" * s), SMALL), allow(IA), rpc, gw)
+    for rpc in ("bidi", "stream"):  # past a worker's 4 MiB message limit (defect 8)
+        add("oversize_message", lambda r: start_msg(r, text_prompt("b" * 5_000_000), SMALL), allow(IA), rpc)
+    for _ in range(60):
+        bad = rng.choice([VOCAB_SIZE, VOCAB_SIZE + 1, 2**31, 2**32 - 1, rng.randrange(VOCAB_SIZE, 2**32)])
+        ids = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(0, 10))]
+        ids.insert(rng.randint(0, len(ids)), bad)
+        add("token_id_out_of_range", lambda r, ids=ids: start_msg(r, ids_prompt(ids), SMALL), allow(IA))
+    for _ in range(40):  # uint32 on the wire: a negative varint is what a careless client sends
+        ids = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 10))] + [-rng.randint(1, 2**40)]
+        prompt = field_bytes(2, b"".join(field_varint(1, t) for t in ids))
+        params = pb.SamplingParams(**SMALL).SerializeToString()
+        add("token_id_negative", lambda r, p=prompt, q=params: raw_start(r, p, q), allow(IA))
+    for _ in range(30):
+        add("max_tokens_zero", lambda r: start_msg(r, short_prompt(rng), {"max_tokens": 0}), allow(IA))
+    for _ in range(30):  # huge: runs to the context length, cut short by a deadline
+        n = rng.choice([MAX_MODEL_LEN, 10**6, 2**32 - 1])
+        wire = start_msg("", short_prompt(rng), {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+        streams.append(Call("stream", rng.choice(gws), [Msg("max_tokens_huge", wire, allow(OK, DE))], timeout=0.3))
+    for _ in range(30):
+        params = pb.SamplingParams(temperature=0.0, ignore_eos=True).SerializeToString()
+        params += field_varint(5, -rng.randint(1, 2**40))
+        prompt = pb.Prompt(text=rng.choice(BASES)).SerializeToString()
+        msg = Msg("max_tokens_negative", raw_start("", prompt, params), allow(OK, DE, IA))
+        streams.append(Call("stream", rng.choice(gws), [msg], timeout=0.3))
+    for t in [math.nan, math.inf, -math.inf, -1e-9, -1.0, -1e308] * 7:
+        add("temperature_bad", lambda r, t=t: start_msg(r, short_prompt(rng), {"temperature": t}), allow(IA))
+    for p in [0.0, -0.0, -0.1, 1.0000001, 2.0, math.nan, math.inf, -math.inf] * 5:
+        add("top_p_bad", lambda r, p=p: start_msg(r, short_prompt(rng), {"top_p": p, "max_tokens": 2}), allow(IA))
+    for _ in range(40):
+        k = rng.choice([-2, -3, -100, -(2**31), rng.randint(-(2**31), -2)])
+        add("top_k_negative", lambda r, k=k: start_msg(r, short_prompt(rng), {"top_k": k, "max_tokens": 2}), allow(IA))
+    for _ in range(10):
+        add("top_k_minus_one", lambda r: start_msg(r, short_prompt(rng), {"top_k": -1, "max_tokens": 2}), allow(OK))
+    for _ in range(12):
+        stops = ["".join(rng.choices("abcdefxyz_ ():", k=rng.randint(1, 10))) for _ in range(rng.randint(1000, 5000))]
+        add(
+            "many_stop_strings", lambda r, s=stops: start_msg(r, short_prompt(rng), {**SMALL, "stop": s}), allow(OK, IA)
+        )
+    for _ in range(6):
+        stops = ["z" * rng.choice([1 << 16, 1 << 18, 1 << 20]) for _ in range(rng.randint(1, 3))]
+        add(
+            "huge_stop_strings", lambda r, s=stops: start_msg(r, short_prompt(rng), {**SMALL, "stop": s}), allow(OK, IA)
+        )
+    for _ in range(40):
+        name = rng.choice(["gpt-4", "draftwise-target ", "DRAFTWISE-TARGET", "\u00e9\u00e8", "x" * rng.randint(1, 300)])
+        add("unknown_model", lambda r, m=name: start_msg(r, short_prompt(rng), SMALL, model=m), allow(IA))
+    for rpc in ("bidi", "stream"):  # error messages must not echo it whole (defect 8)
+        add(
+            "unknown_model_1mib",
+            lambda r: start_msg(r, short_prompt(rng), SMALL, model="m" * (1 << 20)),
+            allow(IA),
+            rpc,
+        )
+    for _ in range(120):
+        wire = start_msg("", short_prompt(rng), {"max_tokens": 8, "temperature": 0.0})
+        streams.append(Call("stream", rng.choice(gws), [Msg("deadline_1ms", wire, allow(DE))], timeout=0.001))
+    for _ in range(150):  # the add of such a request races its cancellation on the worker (defect 2)
+        wire = start_msg("", short_prompt(rng), {"max_tokens": 16, "temperature": rng.choice([0.0, 1.0])})
+        timeout = rng.uniform(0.002, 0.05)
+        streams.append(Call("stream", rng.choice(gws), [Msg("deadline_short", wire, allow(OK, DE))], timeout=timeout))
+    calls.extend(streams)
+
+    # multiplexed-stream-only cases, mixed into the batches of the cases above
+    for _ in range(30):
+        r = rid("duplicate_id")
+        first = Msg(
+            "duplicate_id",
+            start_msg(r, short_prompt(rng), {"max_tokens": 48, "ignore_eos": True}),
+            allow(),
+            r,
+            "ignore",
+        )
+        dup = Msg("duplicate_id", start_msg(r, short_prompt(rng), SMALL), allow(f"{IA}+{OK}"), r)
+        bidi[rng.choice(gws)].extend([first, dup])
+    for _ in range(50):
+        r = rid("cancel_unknown")
+        bidi[rng.choice(gws)].append(
+            Msg(
+                "cancel_unknown",
+                gspb.GenerateRequest(cancel=pb.CancelGeneration(request_id=r)).SerializeToString(),
+                allow(NO_EVENT),
+                r,
+                "none",
+            )
+        )
+    for _ in range(30):
+        r = rid("cancel_known")
+        g = rng.choice(gws)
+        bidi[g].append(Msg("cancel_known", start_msg(r, short_prompt(rng), {"max_tokens": 32}), allow(ABORT, OK), r))
+        bidi[g].append(
+            Msg(
+                "cancel_known",
+                gspb.GenerateRequest(cancel=pb.CancelGeneration(request_id=r)).SerializeToString(),
+                allow(),
+                r,
+                "ignore",
+            )
+        )
+    for _ in range(50):
+        bidi[rng.choice(gws)].append(Msg("no_oneof", b"", allow(IA), expect="anon"))
+    for _ in range(20):
+        bidi[rng.choice(gws)].append(
+            Msg("empty_request_id", start_msg("", short_prompt(rng), SMALL), allow(IA), expect="anon")
+        )
+    for gw, msgs in bidi.items():
+        rng.shuffle(msgs)
+        calls.extend(Call("bidi", gw, msgs[i : i + BIDI_BATCH]) for i in range(0, len(msgs), BIDI_BATCH))
+
+    # a greedy 64-token request next to a sampled 4-token one, speculating or not (defect 1)
+    for i in range(16):
+        msgs = []
+        for j in range(3):
+            spec = rng.choice(
+                [None, {"enabled": True}, {"enabled": False}, {"max_speculative_tokens": rng.randint(1, 8)}]
+            )
+            g, s = rid("mixed_batch"), rid("mixed_batch")
+            greedy = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": rng.random() < 0.5}
+            msgs.append(
+                Msg(
+                    "mixed_batch",
+                    start_msg(g, text_prompt(BASES[(i + j) % len(BASES)]), greedy, spec=spec),
+                    allow(OK),
+                    g,
+                )
+            )
+            sampled = {"max_tokens": 4, "temperature": 1.0}
+            msgs.append(
+                Msg(
+                    "mixed_batch",
+                    start_msg(s, text_prompt(BASES[(i + j + 1) % len(BASES)]), sampled, spec=spec),
+                    allow(OK),
+                    s,
+                )
+            )
+        calls.append(Call("bidi", "spec" if i % 4 else "plain", msgs))
+
+    # a whole Generate call under a 1 ms deadline
+    for _ in range(20):
+        msgs = [Msg("filler", start_msg("a", short_prompt(rng), SMALL), allow(), "a", "ignore")]
+        calls.append(Call("bidi", rng.choice(gws), msgs, timeout=0.001, kind="deadline_1ms_stream", allowed=allow(DE)))
+
+    # undecodable bytes: random, invalid UTF-8 in a string field, truncated messages (defect 5)
+    for i in range(60):
+        raw = undecodable(rng, i)
+        gw = rng.choice(gws)
+        if i % 2:
+            calls.append(Call("stream", gw, [Msg("raw_bytes", raw, allow(IA))], timeout=RAW_TIMEOUT_S))
+        else:
+            msgs = [
+                Msg("filler", start_msg("pre", short_prompt(rng), SMALL), allow(), "pre", "ignore"),
+                Msg("filler", raw, allow(), expect="ignore"),
+                Msg("filler", start_msg("post", short_prompt(rng), SMALL), allow(), "post", "ignore"),
+            ]
+            calls.append(Call("bidi", gw, msgs, timeout=RAW_TIMEOUT_S, kind="raw_bytes", allowed=allow(IA)))
+    rng.shuffle(calls)
+    return calls
+
+
+def undecodable(rng: random.Random, i: int) -> bytes:
+    """Bytes that do not parse as a GenerateRequest (nor as a GenerateStreamRequest)."""
+    while True:
+        choice = i % 3
+        if choice == 0:
+            raw = rng.randbytes(rng.randint(1, 64))
+        elif choice == 1:  # a request id that is not UTF-8
+            raw = field_bytes(1, field_bytes(1, b"\xff\xfe" + rng.randbytes(4)))
+        else:  # a valid request cut short
+            whole = start_msg("truncated", text_prompt(rng.choice(BASES)), SMALL)
+            raw = whole[: rng.randint(1, len(whole) - 1)]
+        try:
+            gspb.GenerateRequest.FromString(raw)
+        except Exception:  # DecodeError: what the suite wants
+            return raw
+        i += 1
+
+
+# -- running them -------------------------------------------------------------------------
+
+
+def outcome_of(event: pb.GenerationEvent) -> str:
+    kind = event.WhichOneof("kind")
+    if kind == "finished":
+        return ABORT if event.finished.finish_reason == pb.FINISH_REASON_ABORT else OK
+    name = status_name(event.error.code)
+    return name + LONG if len(event.error.message) > MAX_ERROR_MESSAGE else name
+
+
+def error_outcome(e: grpc.aio.AioRpcError) -> str:
+    details = e.details() or ""
+    return e.code().name + (LONG if len(details) > MAX_ERROR_MESSAGE else "")
+
+
+Result = tuple[str, str, str]
+"""(case kind, outcome, a note for failures)."""
+
+
+async def run_stream_call(ch: grpc.aio.Channel, call: Call) -> list[Result]:
+    (msg,) = call.messages
+    method = ch.unary_stream(GENERATE_STREAM, response_deserializer=gspb.GenerateStreamResponse.FromString)
+    final = None
+    try:
+        async for resp in method(msg.wire, timeout=call.timeout):
+            if resp.event.WhichOneof("kind") != "delta":
+                final = resp.event
+    except grpc.aio.AioRpcError as e:
+        return [(msg.kind, error_outcome(e), (e.details() or "")[:200])]
+    return [(msg.kind, outcome_of(final) if final else "OK_WITHOUT_FINAL", "")]
+
+
+async def run_bidi_call(ch: grpc.aio.Channel, call: Call) -> list[Result]:
+    method = ch.stream_stream(GENERATE, response_deserializer=gspb.GenerateResponse.FromString)
+    rpc = method(timeout=call.timeout)
+    finals: dict[str, list[pb.GenerationEvent]] = {}
+    anon: list[pb.GenerationEvent] = []
+    seen: set[str] = set()
+
+    async def read() -> None:
+        async for resp in rpc:
+            ev = resp.event
+            seen.add(ev.request_id)
+            if ev.WhichOneof("kind") == "delta":
+                continue
+            if ev.request_id:
+                finals.setdefault(ev.request_id, []).append(ev)
+            else:
+                anon.append(ev)
+
+    reader = asyncio.create_task(read())
+    try:
+        for m in call.messages:
+            await rpc.write(m.wire)
+        await rpc.done_writing()
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+        pass  # the call already ended: its status says why
+    note = ""
+    try:
+        await reader
+        status = OK
+    except grpc.aio.AioRpcError as e:
+        status, note = error_outcome(e), (e.details() or "")[:200]
+    out: list[Result] = [(call.kind, status, note)]
+    anon_iter = iter(anon)
+    for m in call.messages:
+        if m.expect == "final":
+            evs = finals.get(m.rid, [])
+            out.append((m.kind, "+".join(sorted(outcome_of(e) for e in evs)) or MISSING, ""))
+        elif m.expect == "none":
+            out.append((m.kind, "EVENT" if m.rid in seen else NO_EVENT, ""))
+        elif m.expect == "anon":
+            ev = next(anon_iter, None)
+            out.append((m.kind, outcome_of(ev) if ev else MISSING, ""))
+    out.extend(("unexpected_anon_event", outcome_of(ev), ev.error.message[:200]) for ev in anon_iter)
+    return out
+
+
+async def run_all(stack: Stack, calls: list[Call]) -> list[tuple[Call, Result]]:
+    sem = asyncio.Semaphore(CONCURRENCY)
+    channels = {name: grpc.aio.insecure_channel(g.address) for name, g in stack.gateways.items()}
+
+    async def one(call: Call) -> list[tuple[Call, Result]]:
+        async with sem:
+            ch = channels[call.gateway]
+            res = await (run_bidi_call(ch, call) if call.rpc == "bidi" else run_stream_call(ch, call))
+            return [(call, r) for r in res]
+
+    try:
+        done = await asyncio.gather(*(one(c) for c in calls))
+    finally:
+        for ch in channels.values():
+            await ch.close()
+    return [r for rs in done for r in rs]
+
+
+def allowed_for(call: Call, kind: str) -> frozenset[str]:
+    if call.rpc == "bidi" and kind == call.kind:
+        return call.allowed
+    for m in call.messages:
+        if m.kind == kind and m.expect != "ignore":
+            return m.allowed
+    return frozenset()  # unexpected_anon_event
+
+
+def test_fuzz_requests_get_precise_statuses_and_workers_survive(stack: Stack) -> None:
+    rng = random.Random(SEED)
+    calls = build_calls(rng)
+    watch = Stopwatch()
+    results = asyncio.run(run_all(stack, calls))
+    took = watch()
+    counts: Counter[tuple[str, str]] = Counter((kind, outcome) for _, (kind, outcome, _) in results)
+    bad = [
+        (kind, outcome, note, call.gateway, call.rpc)
+        for call, (kind, outcome, note) in results
+        if outcome not in allowed_for(call, kind)
+    ]
+    cases = sum(1 for _, (kind, _, _) in results if kind != "stream_end")
+    print(f"\n{cases} cases ({len(calls)} calls) in {took:.1f} s\n")
+    print(format_table(counts, "case kind"))
+    allowed = {}
+    for call, (kind, _, _) in results:
+        allowed.setdefault(kind, sorted(allowed_for(call, kind)))
+    print("\nallowed: " + "; ".join(f"{k}: {'/'.join(v)}" for k, v in sorted(allowed.items())))
+    worst = Counter((k, o, g, rpc) for k, o, _, g, rpc in bad)
+    try:
+        idle = assert_survived(stack)
+        survival = f"workers idle {idle * 1e3:.0f} ms after the last response; same PIDs; a normal request served"
+    except AssertionError as e:
+        idle, survival = None, f"WORKERS DID NOT SURVIVE: {str(e)[:3000]}"
+    print(survival)
+    assert not bad, f"{len(bad)} responses outside the allowed statuses: {worst.most_common(30)}; e.g. {bad[:10]}"
+    assert idle is not None, survival
+    assert cases >= MIN_CASES
