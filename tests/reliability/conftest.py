@@ -88,14 +88,21 @@ async def normal_request(address: str) -> pb.GenerationEvent:
         return final
 
 
+def deaths(stack: Stack) -> dict[str, tuple[int, list[str]]]:
+    """Workers that exited: their status and the last error lines of their log."""
+    out = {}
+    for name, w in stack.workers.items():
+        if w.popen.poll() is not None:
+            errors = [line[:300] for line in w.log().splitlines() if "Error" in line or '"error"' in line]
+            out[name] = (w.popen.returncode, errors[-4:])
+    return out
+
+
 def assert_survived(stack: Stack, idle_timeout: float = IDLE_TIMEOUT_S) -> float:
     """The same worker processes are alive (none died or was replaced), hold no KV block and
     run nothing within ``idle_timeout`` seconds, and each serves a normal request through its
     gateway. Returns the seconds the workers took to become idle."""
-    dead = {
-        name: (w.popen.returncode, w.log()[-3000:]) for name, w in stack.workers.items() if w.popen.poll() is not None
-    }
-    assert not dead, f"workers died: {dead}"
+    assert not deaths(stack), f"workers died: {deaths(stack)}"
     assert {name: w.popen.pid for name, w in stack.workers.items()} == stack.pids
 
     async def main() -> tuple[float, dict[str, pb.GenerationEvent]]:
@@ -103,7 +110,11 @@ def assert_survived(stack: Stack, idle_timeout: float = IDLE_TIMEOUT_S) -> float
         finals = {name: await normal_request(g.address) for name, g in stack.gateways.items()}
         return idle, finals
 
-    idle, finals = asyncio.run(main())
+    try:
+        idle, finals = asyncio.run(main())
+    except grpc.aio.AioRpcError as e:
+        time.sleep(1.0)  # a worker that is on its way out: let it go, then say why
+        raise AssertionError(f"{e.code().name}: {e.details()}; workers died: {deaths(stack)}") from None
     for name, final in finals.items():
         assert final.WhichOneof("kind") == "finished", (name, final)
         assert final.finished.finish_reason == pb.FINISH_REASON_LENGTH, (name, final)
