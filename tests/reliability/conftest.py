@@ -5,6 +5,8 @@ gateway so that a test can aim traffic at one of them, started once per module."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -88,13 +90,14 @@ async def normal_request(address: str) -> pb.GenerationEvent:
         return final
 
 
-def deaths(stack: Stack) -> dict[str, tuple[int, list[str]]]:
-    """Workers that exited: their status and the last error lines of their log."""
+def deaths(stack: Stack, everyone: bool = False) -> dict[str, tuple[int | None, list[str]]]:
+    """Workers that exited (or, with ``everyone``, all of them): exit status (None: alive)
+    and the last error lines of their log."""
     out = {}
     for name, w in stack.workers.items():
-        if w.popen.poll() is not None:
+        if everyone or w.popen.poll() is not None:
             errors = [line[:300] for line in w.log().splitlines() if "Error" in line or '"error"' in line]
-            out[name] = (w.popen.returncode, errors[-4:])
+            out[name] = (w.popen.poll(), errors[-4:])
     return out
 
 
@@ -113,8 +116,10 @@ def assert_survived(stack: Stack, idle_timeout: float = IDLE_TIMEOUT_S) -> float
     try:
         idle, finals = asyncio.run(main())
     except grpc.aio.AioRpcError as e:
-        time.sleep(1.0)  # a worker that is on its way out: let it go, then say why
-        raise AssertionError(f"{e.code().name}: {e.details()}; workers died: {deaths(stack)}") from None
+        for w in stack.workers.values():  # one on its way out: let it go, then say why
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.popen.wait(3.0)
+        raise AssertionError(f"{e.code().name}: {e.details()}; workers: {deaths(stack, everyone=True)}") from None
     for name, final in finals.items():
         assert final.WhichOneof("kind") == "finished", (name, final)
         assert final.finished.finish_reason == pb.FINISH_REASON_LENGTH, (name, final)
