@@ -97,7 +97,7 @@ def deaths(stack: Stack, everyone: bool = False) -> dict[str, tuple[int | None, 
     for name, w in stack.workers.items():
         if everyone or w.popen.poll() is not None:
             errors = [line[:300] for line in w.log().splitlines() if "Error" in line or '"error"' in line]
-            out[name] = (w.popen.poll(), errors[-4:])
+            out[name] = (w.popen.poll(), errors[:2] + errors[-2:] if len(errors) > 4 else errors)
     return out
 
 
