@@ -25,6 +25,14 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (special tokens included): a
+        text of N bytes is at least N / max_token_bytes() tokens long."""
+        longest = 1
+        for i in range(len(self.hf)):
+            longest = max(longest, len(self.hf.decode([i], skip_special_tokens=False).encode()))
+        return longest
+
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
     from transformers import AutoTokenizer
