@@ -16,7 +16,7 @@ class Tokenizer:
     hf: Any  # transformers PreTrainedTokenizerBase
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text))
+        return list(self.hf.encode(text, verbose=False))  # length is checked by the engine, not warned about
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
