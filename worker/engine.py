@@ -35,7 +35,7 @@ from draftwise.worker.sampling_params import SamplingParams
 from draftwise.worker.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from draftwise.worker.spec.draft import DraftModelProposer
 from draftwise.worker.spec.ngram import NgramProposer
-from draftwise.worker.spec.policy import CostModel, PolicyConfig, SpeculationPolicy
+from draftwise.worker.spec.policy import CostModel, PolicyConfig, RequestSpecState, SpeculationPolicy
 from draftwise.worker.spec.rejection_sampler import rejection_sample
 from draftwise.worker.tokenizer import Tokenizer, load_tokenizer
 
@@ -43,6 +43,34 @@ log = structlog.get_logger("draftwise.engine")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 DEFAULT_CHUNKED_BATCH_TOKENS = 2048
+
+_FATAL_MARKERS = (
+    "out of memory",
+    "cuda error",
+    "cublas",
+    "cudnn",
+    "device-side assert",
+    "illegal memory access",
+    "nccl",
+    "hip error",
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an error that poisons the whole step (device error, out of memory, a
+    broken invariant) and stopped: every request on it is lost; the process should exit so
+    that a supervisor replaces it."""
+
+
+def is_step_fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` poisons the whole step rather than one request's rows: out of memory
+    and device errors (after which the device state cannot be trusted)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError | EngineDeadError):
+        return True
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _FATAL_MARKERS)
 
 
 class LLMEngine:
@@ -67,6 +95,10 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
         self.eos_token_ids = _eos_ids(folder, mcfg.eos_token_ids, self.tokenizer)
+        self.max_prompt_bytes: int | None = None  # text prompts longer than this cannot fit: refused untokenized
+        if self.tokenizer is not None:
+            # x2: normalizers may shrink text (NFKC), so a token can stand for more input than it decodes to
+            self.max_prompt_bytes = self.max_model_len * max(self.tokenizer.max_token_bytes(), 4) * 2
 
         max_batched = config.max_num_batched_tokens or (
             DEFAULT_CHUNKED_BATCH_TOKENS if config.enable_chunked_prefill else self.max_model_len
@@ -107,7 +139,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[tuple[RequestDelta, RequestOutput]] = []  # aborts, reported next step
+        self._doomed: list[tuple[Request, BaseException]] = []  # failed while scheduling; finished after it
+        self.dead: str | None = None  # why the engine stopped (EngineDeadError); None while it runs
         self.num_steps = 0
+        self.num_request_errors = 0  # requests the engine failed on their own (the others went on)
         log.info(
             "kv cache ready",
             blocks=num_blocks,
@@ -246,14 +281,23 @@ class LLMEngine:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError (touching nothing) for a bad one."""
+        """Queue a request. Raises ValueError (touching nothing) for a bad one,
+        EngineDeadError once the engine has stopped."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        if isinstance(prompt, str) and prompt_token_ids is not None:  # tokenized already (encode_prompt)
+            text, ids = prompt, list(prompt_token_ids)
+        else:
+            text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len} "
@@ -294,13 +338,27 @@ class LLMEngine:
         log.debug("request added", request_id=request_id, prompt_tokens=len(ids), max_tokens=max_tokens)
         return req
 
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Tokenize a text prompt; ValueError for one that is empty or too long. A prompt whose
+        byte length alone shows it cannot fit in max_model_len is refused without tokenizing.
+        Touches no engine state, so callers may run it off the engine thread (AsyncEngine does)."""
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+        size = len(prompt.encode("utf-8", errors="surrogatepass"))
+        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+            raise ValueError(
+                f"prompt is {size} bytes, more than can fit in max_model_len={self.max_model_len} tokens "
+                f"(at most {self.max_prompt_bytes} bytes of text)"
+            )
+        return self.tokenizer.encode(prompt)
+
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode_prompt(prompt)
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -344,6 +402,22 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> StepOutput:
+        """One engine step. An error that belongs to one request finishes that request
+        (finish_reason "error") and the step goes on for the others; anything else (out of
+        memory, a device error, a broken invariant) raises EngineDeadError, after which the
+        engine refuses all work."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        try:
+            return self._step()
+        except BaseException as e:
+            self.dead = f"{type(e).__name__}: {e}"
+            log.error("engine step failed; the engine stops", error=self.dead, exc_info=True)
+            if isinstance(e, EngineDeadError):
+                raise
+            raise EngineDeadError(f"the engine stopped after a step-wide error: {self.dead}") from e
+
+    def _step(self) -> StepOutput:
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
         deltas = [d for d, _ in pending]
@@ -353,13 +427,19 @@ class LLMEngine:
         if self.spec_method is not None and self.policy.may_pay(len(self.scheduler.running), self.spec_adaptive):
             lookahead = self._lookahead
         sched = self.scheduler.schedule(lookahead)
+        scheduled = sched.scheduled
+        if self._doomed:  # requests whose own part of scheduling failed (their n-gram lookup, ...)
+            doomed, self._doomed = self._doomed, []
+            for req, err in doomed:
+                self._fail(req, err, deltas, finished)
+            scheduled = [s for s in scheduled if not s.request.is_finished]
         spec_counts = (0, 0)
-        if sched.scheduled:
-            spec_counts = self._execute(sched.scheduled, deltas, finished)
+        if scheduled:
+            spec_counts = self._execute(scheduled, deltas, finished)
         self.num_steps += 1
         stats = StepStats(
-            num_scheduled=len(sched.scheduled),
-            num_batched_tokens=sched.num_batched_tokens,
+            num_scheduled=len(scheduled),
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(sched.preempted),
@@ -378,7 +458,20 @@ class LLMEngine:
         found here (k is then what the lookup found)."""
         req.spec_draft_ids = []
         st = req.spec
-        if st is None:
+        if st is None or st.limit == 0:
+            return 0
+        try:
+            return self._lookahead_one(req, st, batch_size)
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            self._doomed.append((req, e))
+            return 0
+
+    def _lookahead_one(self, req: Request, st: RequestSpecState, batch_size: int) -> int:
+        if self.proposer is not None and not self.proposer.can_draft(req):
+            st.cap = st.limit = 0  # tokens the draft cannot read: this request is not speculated any more
+            self.proposer.release(req)
             return 0
         room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
         k = st.limit if not self.spec_adaptive else self.policy.choose_k(st, batch_size)
@@ -398,22 +491,87 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.release(req)
 
-    def _propose(self, spec: list[ScheduledRequest]) -> torch.Tensor | None:
-        """Fill ``spec_draft_ids`` of the requests verifying drafts this step; the draft
-        distributions q ([sum k, vocab]), or None for n-gram lookup (q one-hot)."""
+    def _propose(self, spec: list[ScheduledRequest]) -> dict[str, torch.Tensor | None]:
+        """Fill ``spec_draft_ids`` of the requests verifying drafts this step; per request id
+        its draft distributions q ([k, vocab]), or None where the verifier treats q as one-hot
+        (n-gram lookup; greedy rows of an all-greedy batch)."""
         ks = [s.num_draft_tokens for s in spec]
         if self.proposer is None:
             for s, k in zip(spec, ks, strict=True):
                 s.request.spec_draft_ids = s.request.spec_draft_ids[:k]
             self.policy.costs.record_draft(len(self.scheduler.running), self._ngram_seconds / max(ks))
-            return None
+            return {s.request.request_id: None for s in spec}
         prop = self.proposer.propose([s.request for s in spec], ks)
         for s, d in zip(spec, prop.token_ids, strict=True):
             s.request.spec_draft_ids = d
         if prop.seconds_per_step is not None:
             self.policy.costs.record_draft(len(spec), prop.seconds_per_step)
         self.spec_totals["draft_seconds"] += prop.seconds
-        return prop.probs
+        qs = [None] * len(spec) if prop.probs is None else list(prop.probs.split(ks))
+        return {s.request.request_id: q for s, q in zip(spec, qs, strict=True)}
+
+    def _propose_contained(
+        self, spec: list[ScheduledRequest], deltas: list[RequestDelta], finished: list[RequestOutput]
+    ) -> dict[str, torch.Tensor | None]:
+        """``_propose``; when the batch fails, each request proposes alone from a clean draft
+        cache, and those that still fail are finished with their error."""
+        try:
+            return self._propose(spec)
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            log.warning("proposal failed for the batch; isolating", error=repr(e), requests=len(spec))
+        out: dict[str, torch.Tensor | None] = {}
+        for s in spec:
+            if self.proposer is not None:
+                self.proposer.release(s.request)  # whatever the failed batch left in its draft cache
+            try:
+                out.update(self._propose([s]))
+            except Exception as e:
+                if is_step_fatal(e):
+                    raise
+                self._fail(s.request, e, deltas, finished)
+        return out
+
+    def _run_contained(
+        self, scheduled: list[ScheduledRequest], deltas: list[RequestDelta], finished: list[RequestOutput]
+    ) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """The forward pass; when it fails, each sequence runs alone to find the ones that
+        fail by themselves (finished with their error), and the rest run again together.
+        Rerunning is safe: a forward pass only writes KV at positions not yet counted."""
+        try:
+            return scheduled, self.runner.run([self._chunk(s) for s in scheduled])
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            first = e
+        log.warning("forward pass failed; isolating", error=repr(first), sequences=len(scheduled))
+        survivors = []
+        for s in scheduled:
+            try:
+                self.runner.run([self._chunk(s)])
+                survivors.append(s)
+            except Exception as e:
+                if is_step_fatal(e):
+                    raise
+                self._fail(s.request, e, deltas, finished)
+        if not survivors:
+            return [], torch.empty(0)
+        if len(survivors) == len(scheduled):  # no sequence fails alone: the batch itself is broken
+            raise EngineDeadError(f"the forward pass fails for the batch but for no sequence alone: {first!r}")
+        return survivors, self.runner.run([self._chunk(s) for s in survivors])
+
+    @staticmethod
+    def _chunk(s: ScheduledRequest) -> SequenceChunk:
+        r = s.request
+        start = r.num_computed_tokens
+        if s.num_draft_tokens:
+            return SequenceChunk(
+                r.token_slice(start, start + 1) + r.spec_draft_ids, start, r.block_table, 1 + s.num_draft_tokens
+            )
+        return SequenceChunk(
+            r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
+        )
 
     # ------------------------------------------------------------------ execution
 
@@ -423,29 +581,17 @@ class LLMEngine:
         """Run one step; returns (draft tokens verified, accepted)."""
         now = time.monotonic()
         spec = [s for s in scheduled if s.num_draft_tokens > 0]
-        draft_probs = self._propose(spec) if spec else None
-        chunks = []
+        draft_q: dict[str, torch.Tensor | None] = {}
+        if spec:
+            draft_q = self._propose_contained(spec, deltas, finished)
+            scheduled = [s for s in scheduled if not s.request.is_finished]
         for s in scheduled:
-            r = s.request
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
-            start = r.num_computed_tokens
-            if s.num_draft_tokens:
-                chunks.append(
-                    SequenceChunk(
-                        r.token_slice(start, start + 1) + r.spec_draft_ids, start, r.block_table, 1 + s.num_draft_tokens
-                    )
-                )
-            else:
-                chunks.append(
-                    SequenceChunk(
-                        r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
-                    )
-                )
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
         pure = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         t0 = time.perf_counter()
-        logits = self.runner.run(chunks)  # [sum of num_logits, vocab]
+        scheduled, logits = self._run_contained(scheduled, deltas, finished)  # [sum of num_logits, vocab]
         plain: list[tuple[Request, int]] = []  # (request, its logits row)
         verify: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
         row = 0
@@ -461,7 +607,7 @@ class LLMEngine:
                 row += 1
         if plain:
             self._sample_plain(logits, plain, deltas, finished)
-        counts = self._verify(logits, verify, draft_probs, deltas, finished) if verify else (0, 0)
+        counts = self._verify(logits, verify, draft_q, deltas, finished) if verify else (0, 0)
         if self.spec_method is not None and pure:
             # a pure decode/verify step: its cost (forward, sampling or verification, outputs)
             # feeds the speculation policy; the draft's share is recorded by _propose
@@ -475,14 +621,55 @@ class LLMEngine:
         lps: list[TokenLogprobs | None],
         deltas: list[RequestDelta],
         finished: list[RequestOutput],
-    ) -> RequestDelta:
-        delta = self._append(r, tokens, lps)
+    ) -> RequestDelta | None:
+        """Append ``tokens`` to ``r`` and report them; None when that failed (``r`` is then
+        finished with its error, its unsent tokens dropped)."""
+        sent = len(r.output_token_ids)
+        try:
+            delta = self._append(r, tokens, lps)
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            del r.output_token_ids[sent:]
+            del r.output_logprobs[sent:]
+            self._fail(r, e, deltas, finished)
+            return None
         if delta.finished:
             final = RequestOutput.of(r, r.detokenizer.output_text if r.detokenizer else "")
             delta = dataclasses.replace(delta, final=final)
             finished.append(final)
         deltas.append(delta)
         return delta
+
+    def _fail(
+        self, req: Request, err: BaseException, deltas: list[RequestDelta], finished: list[RequestOutput]
+    ) -> None:
+        """Finish ``req`` because of an error of its own: its blocks go back, and its final
+        delta (finish_reason "error") carries the reason. The other requests go on."""
+        if req.is_finished:
+            return
+        message = f"{type(err).__name__}: {err}"
+        log.error("request failed in the engine", request_id=req.request_id, error=message, exc_info=err)
+        self.num_request_errors += 1
+        self.scheduler.remove(req)
+        self._finish(req, FinishReason.ERROR)
+        error = f"the engine failed this request ({message}); other requests were not affected"
+        final = RequestOutput.of(req, req.detokenizer.output_text if req.detokenizer else "", error=error)
+        finished.append(final)
+        deltas.append(
+            RequestDelta(
+                request_id=req.request_id,
+                token_ids=[],
+                first_token_index=len(req.output_token_ids),
+                text="",
+                logprobs=None,
+                finished=True,
+                finish_reason=FinishReason.ERROR.value,
+                final=final,
+                spec=SpecStats.of(req),
+                error=error,
+            )
+        )
 
     def _sample_plain(
         self,
@@ -496,19 +683,84 @@ class LLMEngine:
         idx = [i for _, i in plain]
         if idx != list(range(logits.shape[0])):
             logits = logits[torch.tensor(idx, device=logits.device)]
-        out = self.sampler(logits, rows)
-        for r, tok, lp in zip(reqs, out.token_ids, out.logprobs, strict=True):
+        try:
+            out = self.sampler(logits, rows)
+            results = list(zip(reqs, out.token_ids, out.logprobs, strict=True))
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            log.warning("sampling failed for the batch; isolating", error=repr(e), rows=len(rows))
+            results = []
+            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+                try:
+                    one = self.sampler(logits[i : i + 1], [row])
+                    results.append((r, one.token_ids[0], one.logprobs[0]))
+                except Exception as e1:
+                    if is_step_fatal(e1):
+                        raise
+                    self._fail(r, e1, deltas, finished)
+        for r, tok, lp in results:
             self._emit(r, [tok], [lp], deltas, finished)
 
     def _verify(
         self,
         logits: torch.Tensor,
         verify: list[tuple[ScheduledRequest, int]],
-        draft_probs: torch.Tensor | None,
+        draft_q: dict[str, torch.Tensor | None],
         deltas: list[RequestDelta],
         finished: list[RequestOutput],
     ) -> tuple[int, int]:
-        """Rejection-sample the drafted tokens against the target's distributions."""
+        """Rejection-sample the drafted tokens against the target's distributions; when the
+        batch fails, each request is verified alone and those that still fail are finished."""
+        try:
+            results = self._verify_batch(logits, verify, draft_q)
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            log.warning("verification failed for the batch; isolating", error=repr(e), requests=len(verify))
+            results = []
+            for item in verify:
+                try:
+                    results.extend(self._verify_batch(logits, [item], draft_q))
+                except Exception as e1:
+                    if is_step_fatal(e1):
+                        raise
+                    self._fail(item[0].request, e1, deltas, finished)
+        proposed = accepted = 0
+        for s, toks, a, lps in results:
+            r, k = s.request, s.num_draft_tokens
+            try:
+                assert r.spec is not None
+                self.policy.update(r.spec, k, a)
+                num_tokens_before = r.num_tokens
+                r.num_computed_tokens += (
+                    1 + a
+                )  # the token verified plus the accepted drafts; the last emitted one is new
+                r.spec_draft_ids = []
+                delta = self._emit(r, toks, lps, deltas, finished)
+                if delta is not None and not delta.finished:
+                    self.blocks.shrink(r.block_table, r.num_tokens)  # rejected positions' blocks go back
+                    if self.proposer is not None:
+                        self.proposer.settle(r, num_tokens_before, k, a)
+            except Exception as e:
+                if is_step_fatal(e):
+                    raise
+                self._fail(r, e, deltas, finished)
+                continue
+            proposed += k
+            accepted += a
+        self.spec_totals["proposed"] += proposed
+        self.spec_totals["accepted"] += accepted
+        self.spec_totals["verify_steps"] += len(results)
+        return proposed, accepted
+
+    def _verify_batch(
+        self,
+        logits: torch.Tensor,  # [sum of num_logits, vocab]
+        verify: list[tuple[ScheduledRequest, int]],
+        draft_q: dict[str, torch.Tensor | None],
+    ) -> list[tuple[ScheduledRequest, list[int], int, list[TokenLogprobs | None]]]:
+        """(request, tokens, accepted, logprobs) for each of ``verify``; touches no request."""
         idx: list[int] = []
         rows: list[SamplingRow] = []
         for s, first in verify:
@@ -521,11 +773,11 @@ class LLMEngine:
         res = rejection_sample(
             p,
             [r.spec_draft_ids for r in reqs],
-            draft_probs,
+            _stack_q([draft_q.get(r.request_id) for r in reqs], [r.spec_draft_ids for r in reqs], p),
             [r.sampling_params.is_greedy for r in reqs],
             [r.generator for r in reqs],
         )
-        proposed = accepted = 0
+        out = []
         base = 0
         for (s, _), toks, a in zip(verify, res.token_ids, res.num_accepted, strict=True):
             r, k = s.request, s.num_draft_tokens
@@ -537,22 +789,8 @@ class LLMEngine:
                     torch.tensor(toks, device=p.device),
                 )
             base += k + 1
-            assert r.spec is not None
-            self.policy.update(r.spec, k, a)
-            proposed += k
-            accepted += a
-            num_tokens_before = r.num_tokens
-            r.num_computed_tokens += 1 + a  # the token verified plus the accepted drafts; the last emitted one is new
-            r.spec_draft_ids = []
-            delta = self._emit(r, toks, lps, deltas, finished)
-            if not delta.finished:
-                self.blocks.shrink(r.block_table, r.num_tokens)  # rejected positions' blocks go back
-                if self.proposer is not None:
-                    self.proposer.settle(r, num_tokens_before, k, a)
-        self.spec_totals["proposed"] += proposed
-        self.spec_totals["accepted"] += accepted
-        self.spec_totals["verify_steps"] += len(verify)
-        return proposed, accepted
+            out.append((s, toks, a, lps))
+        return out
 
     def _append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> RequestDelta:
         """Add sampled tokens to ``req`` one at a time, stopping at the first finish condition."""
@@ -638,6 +876,26 @@ class LLMEngine:
             blocks.pool.check([])
             if blocks.num_free_blocks != blocks.num_blocks:
                 raise AssertionError(f"{blocks.num_blocks - blocks.num_free_blocks} {name} blocks still in use")
+
+
+def _stack_q(
+    qs: list[torch.Tensor | None],
+    drafts: list[list[int]],
+    p: torch.Tensor,  # [sum(k + 1), vocab]: the target's distributions (for shape, dtype, device)
+) -> torch.Tensor | None:  # [sum k, vocab]
+    """One q tensor for the verifier from per-request draft distributions: None when no
+    request has one (the verifier then takes q one-hot at each draft), else the rows stacked,
+    one-hot at the drafted token where a request has none (n-gram drafts; greedy rows, whose
+    q the verifier does not read)."""
+    if all(q is None for q in qs):
+        return None
+    parts = []
+    for q, d in zip(qs, drafts, strict=True):
+        if q is None:
+            q = torch.zeros(len(d), p.shape[1], dtype=p.dtype, device=p.device)
+            q[torch.arange(len(d), device=p.device), torch.tensor(d, device=p.device, dtype=torch.long)] = 1.0
+        parts.append(q.to(p.dtype))
+    return torch.cat(parts)
 
 
 def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:

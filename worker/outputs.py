@@ -62,7 +62,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None  # per token, when SamplingParams.logprobs is set
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     spec: SpecStats | None = None  # speculative decoding counters; None when the request did not speculate
 
@@ -101,9 +101,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # why the engine failed this request (finish_reason "error"); None otherwise
 
     @classmethod
-    def of(cls, req: Request, text: str) -> RequestOutput:
+    def of(cls, req: Request, text: str, error: str | None = None) -> RequestOutput:
         want_lp = req.sampling_params.logprobs is not None
         return cls(
             request_id=req.request_id,
@@ -128,6 +129,7 @@ class RequestOutput:
                 finish_time=req.finish_time,
                 num_preemptions=req.num_preemptions,
             ),
+            error=error,
         )
 
 
@@ -145,6 +147,7 @@ class RequestDelta:
     stop_reason: str | int | None = None
     final: RequestOutput | None = None  # on the finishing delta: the whole output, with usage and timings
     spec: SpecStats | None = None  # the request's speculation counters so far; None when it does not speculate
+    error: str | None = None  # on a final delta with finish_reason "error": what went wrong, for the caller
 
 
 @dataclass(frozen=True)

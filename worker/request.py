@@ -31,6 +31,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # the engine failed this request (an error of its own; the others went on)
 
 
 @dataclass

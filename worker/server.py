@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
-from draftwise.worker.async_engine import AsyncEngine
+from draftwise.worker.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from draftwise.worker.config import EngineConfig
 from draftwise.worker.engine import LLMEngine
 from draftwise.worker.model_config import ModelLoadError
@@ -42,6 +43,16 @@ from draftwise.worker.outputs import StepOutput
 from draftwise.worker.proto_convert import prompt_from_proto, responses_from_delta, sampling_params_from_proto
 
 log = structlog.get_logger("draftwise.worker")
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The worker's message limits: at least the gateway's transport limit, so the internal hop
+never refuses a request the gateway admitted (the gateway checks the request size)."""
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
 
 SERVICE_NAME = "draftwise.v1.WorkerService"
 """Trailing metadata of GetLoad: the served model's context length."""
@@ -121,9 +132,14 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
             except ValueError as e:  # the engine refused the request
                 bound.info("request rejected", reason=str(e))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:  # the engine loop died
-                bound.error("engine failure", error=str(e))
+            except RequestFailedError as e:  # the engine failed this request alone; the others go on
+                bound.error("request failed", error=str(e))
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            except EngineDeadError as e:  # the engine stopped: this worker is going away
+                bound.error("engine failure", error=str(e))
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"the worker's engine stopped ({e}); retry on another worker"
+                )
             finally:
                 await stream.aclose()  # on cancellation: aborts the request, freeing its blocks
         finally:
@@ -186,11 +202,24 @@ async def serve(
     engine = LLMEngine(config)
     aengine = AsyncEngine(engine)
     aengine.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1)])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = WorkerServicer(aengine, model_name)
     wgrpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def on_death(reason: str) -> None:  # engine thread: health says so at once, then the process exits
+        servicer.draining = True
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed
+            loop.call_soon_threadsafe(lambda: (loop.create_task(not_serving()), stop.set()))
+
+    aengine.on_death = on_death
     try:
         bound_port = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc's "Failed to bind"
@@ -214,11 +243,11 @@ async def serve(
             f.write(f"{bound_port}\n")
         os.replace(tmp, ready_file)  # readers never see a partial file
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     why = await _watch(aengine, parent_pid, stop)
+    if not aengine.is_running:
+        why = "engine"
     log.info("worker stopping", reason=why, in_flight=servicer.in_flight)
     servicer.draining = True
     for name in ("", SERVICE_NAME):

@@ -16,7 +16,7 @@ class Tokenizer:
     hf: Any  # transformers PreTrainedTokenizerBase
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text))
+        return list(self.hf.encode(text, verbose=False))  # length is checked by the engine, not warned about
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -24,6 +24,14 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
+
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (special tokens included): a
+        text of N bytes is at least N / max_token_bytes() tokens long."""
+        longest = 1
+        for i in range(len(self.hf)):
+            longest = max(longest, len(self.hf.decode([i], skip_special_tokens=False).encode()))
+        return longest
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:

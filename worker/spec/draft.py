@@ -59,7 +59,7 @@ class DraftProposal:
 
     token_ids: list[list[int]]  # per request, k_i tokens
     probs: torch.Tensor | None  # [sum k_i, target vocab] float32: q at each drafted position, request after
-    # request; None when every request is greedy (the verifier then needs no q)
+    # request (one-hot for greedy rows); None when every request is greedy (the verifier then needs no q)
     seconds: float  # wall time of the draft steps
     num_steps: int  # draft forward passes run
     seconds_per_step: float | None  # mean time of the steps that ran at most 2 tokens per sequence
@@ -86,18 +86,35 @@ class DraftModelProposer:
     def max_positions(self) -> int:
         return self.loaded.config.max_position_embeddings
 
+    def can_draft(self, req: Request) -> bool:
+        """Whether the draft can read every token of ``req``: a draft with a smaller vocabulary
+        than the target's cannot embed ids beyond its own (possible in token-id prompts, or
+        sampled from the target's padding rows), so such a request is not speculated."""
+        v = self.loaded.config.vocab_size
+        if v >= self.target_vocab:
+            return True
+        return max(req.prompt_token_ids) < v and (not req.output_token_ids or max(req.output_token_ids) < v)
+
     def _draw(
-        self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
+        self,
+        logits: torch.Tensor,  # [n, draft vocab]
+        reqs: Sequence[Request],
+        drafts: Sequence[Sequence[int]],
+        need_q: bool,
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """q from draft logits ([n, draft vocab]) padded to the target's vocabulary, and one
-        token per row. Greedy rows with nothing to mask (no penalties, min_tokens met) take
-        the argmax directly; q is then not built (the verifier needs none for greedy rows)."""
-        if all(_plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
+        """q from draft logits padded to the target's vocabulary, and one token per row.
+        ``need_q``: the verifier needs q at every drafted position of the batch (some request
+        in it samples), so it is built for every row here, greedy rows included (one-hot),
+        whichever rows are still drafting at this step. Otherwise, greedy rows with nothing
+        to mask (no penalties, min_tokens met) take the argmax directly and q is not built."""
+        if not need_q and all(_plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
             return None, [int(t) for t in logits.argmax(dim=-1).tolist()]
+        if logits.shape[1] < self.target_vocab:
+            # a draft with a smaller (unpadded) vocabulary: the entries beyond it are impossible
+            # (q = 0), and penalties may index them (prompt or output ids beyond the draft's)
+            logits = torch.nn.functional.pad(logits.float(), (0, self.target_vocab - logits.shape[1]), value=-torch.inf)
         rows = [r.sampling_row(d) for r, d in zip(reqs, drafts, strict=True)]
-        q = processed_probs(logits, rows)  # [n, draft vocab]
-        if q.shape[1] < self.target_vocab:  # a draft with a smaller (unpadded) vocabulary: q = 0 beyond it
-            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))
+        q = processed_probs(logits, rows)  # [n, target vocab]
         toks = sample_from_probs(q, rows)  # greedy rows: q is one-hot, nothing is drawn
         return q, [int(t) for t in toks.tolist()]
 
@@ -118,8 +135,9 @@ class DraftModelProposer:
             SequenceChunk(r.token_slice(r.num_draft_computed, end), r.num_draft_computed, r.draft_block_table, 1)
             for r, end in zip(reqs, ends, strict=True)
         ]
+        need_q = any(not r.sampling_params.is_greedy for r in reqs)
         logits = self.runner.run(chunks0)  # [n, draft vocab]
-        q, toks = self._draw(logits, reqs, drafts)
+        q, toks = self._draw(logits, reqs, drafts, need_q)
         t_first = time.perf_counter()
         for i in range(n):
             reqs[i].num_draft_computed = ends[i]
@@ -131,17 +149,16 @@ class DraftModelProposer:
             active = [i for i in range(n) if ks[i] > j]
             chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j - 1, reqs[i].draft_block_table, 1) for i in active]
             logits = self.runner.run(chunks)  # [len(active), draft vocab]
-            q, toks = self._draw(logits, [reqs[i] for i in active], [drafts[i] for i in active])
+            q, toks = self._draw(logits, [reqs[i] for i in active], [drafts[i] for i in active], need_q)
             for row, i in enumerate(active):
                 reqs[i].num_draft_computed = ends[i] + j
                 drafts[i].append(toks[row])
                 if q is not None:
                     q_rows[i].append(q[row])
             steps += 1
-        greedy = all(r.sampling_params.is_greedy for r in reqs)
-        if not greedy and any(len(rows) != k for rows, k in zip(q_rows, ks, strict=True)):
-            raise AssertionError("a sampling batch must have q for every drafted position")
-        probs = None if greedy else torch.stack([t for rows in q_rows for t in rows])  # [sum k, target vocab]
+        if need_q and any(len(rows) != k for rows, k in zip(q_rows, ks, strict=True)):
+            raise RuntimeError("draft proposer: a sampling batch is missing q at a drafted position")
+        probs = torch.stack([t for rows in q_rows for t in rows]) if need_q else None  # [sum k, target vocab]
         t_end = time.perf_counter()
         if max(len(c.token_ids) for c in chunks0) <= 2:
             per_step: float | None = (t_end - t0) / steps

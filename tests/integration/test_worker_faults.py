@@ -1,0 +1,145 @@
+"""A worker process under the traffic that used to kill it (issue 10): calls with deadlines
+of a few milliseconds next to running streams, a mixed greedy + sampled batch under draft
+speculation, a multi-megabyte text prompt. Real worker processes, real gRPC on 127.0.0.1:
+afterwards the same processes serve and hold no KV block."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from draftwise.v1 import worker_service_pb2 as wpb
+from draftwise.v1 import worker_service_pb2_grpc as wgrpc
+from tests.integration import rpc
+from tests.integration.procs import ENGINE_ARGS, PARENT, Proc
+from tests.integration.rpc import start, wait_workers_idle
+
+LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def fault_workers(proc_dir):
+    base = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *ENGINE_ARGS]
+    procs = [
+        Proc("fault-plain", base, proc_dir),
+        Proc("fault-spec", [*base, "--speculative-model=default", "--no-speculative-adaptive"], proc_dir),
+    ]
+    try:
+        for p in procs:
+            p.wait_ready()
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+async def _generate(stub, s, timeout: float | None = 120.0) -> tuple[grpc.StatusCode, list[int], str]:
+    """Run one worker Generate call: (status, output token ids, details)."""
+    toks: list[int] = []
+    call = stub.Generate(
+        wpb.WorkerServiceGenerateRequest(start=s),
+        timeout=timeout,
+        metadata=rpc.worker_metadata() if hasattr(rpc, "worker_metadata") else None,
+    )  # TODO(merge)
+    try:
+        async for resp in call:
+            if resp.event.WhichOneof("kind") == "delta":
+                assert resp.event.delta.first_token_index == len(toks)
+                toks.extend(resp.event.delta.token_ids)
+    except grpc.aio.AioRpcError as e:
+        return e.code(), toks, e.details() or ""
+    return grpc.StatusCode.OK, toks, ""
+
+
+def _alive(p: Proc) -> bool:
+    return p.popen.poll() is None
+
+
+def test_millisecond_deadlines_next_to_running_streams(fault_workers):
+    """Defect 2 over gRPC: GenerateStream calls with 5-30 ms deadlines while other requests ran
+    killed the engine thread; every stream then ended UNAVAILABLE."""
+
+    async def main(w: Proc):
+        rng = random.Random(2)
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            stub = wgrpc.WorkerServiceStub(ch)
+            long = [asyncio.create_task(_generate(stub, start(f"long{i}", f"def f{i}(x):", **LONG))) for i in range(3)]
+            await asyncio.sleep(0.3)
+            short = []
+            for i in range(80):
+                params = {"max_tokens": rng.randint(1, 40), "temperature": rng.choice([0.0, 1.0]), "seed": i}
+                s = start(f"dl{i}", "# " + "x" * rng.randint(1, 300), **params)
+                short.append(asyncio.create_task(_generate(stub, s, timeout=rng.uniform(0.005, 0.03))))
+                await asyncio.sleep(rng.uniform(0, 0.01))
+            short_results = await asyncio.gather(*short)
+            long_results = await asyncio.gather(*long)
+            after = await _generate(stub, start("after", **{**LONG, "max_tokens": 8}))
+        return short_results, long_results, after
+
+    for w in fault_workers:
+        pid = w.popen.pid
+        short, long, after = asyncio.run(main(w))
+        codes = {c for c, _, _ in short}
+        assert codes <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}, codes
+        assert grpc.StatusCode.DEADLINE_EXCEEDED in codes
+        assert all(c == grpc.StatusCode.OK and len(t) == LONG["max_tokens"] for c, t, _ in long), long
+        assert after[0] == grpc.StatusCode.OK and len(after[1]) == 8
+        assert _alive(w) and w.popen.pid == pid
+        asyncio.run(wait_workers_idle([w.address], timeout=5))
+
+
+def test_mixed_greedy_and_sampled_under_draft_speculation(fault_workers):
+    """Defect 1 over gRPC: the draft proposer's assertion killed the engine loop and the
+    worker exited 1."""
+    w = fault_workers[1]
+
+    async def main():
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            stub = wgrpc.WorkerServiceStub(ch)
+            calls = [
+                _generate(stub, start("greedy", "def fibonacci(n):", max_tokens=64, ignore_eos=True, temperature=0)),
+                _generate(stub, start("sampled", "import os\n", max_tokens=4, ignore_eos=True, temperature=1.0)),
+            ]
+            calls += [
+                _generate(stub, start(f"mix{i}", f"class C{i}:", max_tokens=3 + i, ignore_eos=True, temperature=i % 2))
+                for i in range(6)
+            ]
+            return await asyncio.gather(*calls)
+
+    results = asyncio.run(main())
+    assert all(c == grpc.StatusCode.OK for c, _, _ in results), results
+    assert len(results[0][1]) == 64 and len(results[1][1]) == 4
+    assert _alive(w)
+    asyncio.run(wait_workers_idle([w.address], timeout=5))
+
+
+def test_a_multi_megabyte_prompt_is_refused_without_stalling_the_worker(fault_workers):
+    """Defect 6: a 3.9 MB prompt was tokenized on the engine thread, freezing every other
+    stream on the worker for 23 s before INVALID_ARGUMENT."""
+    w = fault_workers[0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            stub = wgrpc.WorkerServiceStub(ch)
+            long = asyncio.create_task(_generate(stub, start("long", "def f(x):", **LONG)))
+            await asyncio.sleep(0.3)
+            t0 = time.perf_counter()
+            huge = await _generate(stub, start("huge", "x = 1\n" * 650_000, max_tokens=4))
+            refused_s = time.perf_counter() - t0
+            return huge, await long, refused_s
+
+    huge, long, refused_s = asyncio.run(main())
+    code, _, details = huge
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in details, huge
+    assert len(details) < 400  # the message says how big, it does not echo the prompt
+    assert long[0] == grpc.StatusCode.OK and len(long[1]) == LONG["max_tokens"]
+    print(f"3.9 MB prompt refused after {refused_s:.3f} s")
+    assert _alive(w)
+    asyncio.run(wait_workers_idle([w.address], timeout=5))
