@@ -145,8 +145,8 @@ async def run_bidi(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
 
     async def write(msg: gspb.GenerateRequest) -> None:
         async with lock:
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                await call.write(msg)  # (fails once the call is over)
+            with contextlib.suppress(Exception):  # AioRpcError, UsageError, ExecuteBatchError: the call is over
+                await call.write(msg)
 
     def cancel(rid: str, delay: float = 0.0) -> None:
         if rid in cancelled:
@@ -162,7 +162,7 @@ async def run_bidi(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
     async def close_when_done() -> None:
         await all_final.wait()
         await asyncio.gather(*pending)
-        async with lock:
+        async with lock, contextlib.suppress(Exception):  # (the call may be over)
             await call.done_writing()
 
     async def cut_call(delay: float) -> None:
