@@ -162,8 +162,9 @@ async def run_bidi(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
     async def close_when_done() -> None:
         await all_final.wait()
         await asyncio.gather(*pending)
-        async with lock, contextlib.suppress(Exception):  # (the call may be over)
-            await call.done_writing()
+        async with lock:
+            with contextlib.suppress(Exception):  # (the call may be over)
+                await call.done_writing()
 
     async def cut_call(delay: float) -> None:
         await asyncio.sleep(delay)
@@ -199,6 +200,8 @@ async def run_bidi(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
         status = e.code().name
     except asyncio.CancelledError:  # call.cancel() from this task ends the iteration this way on some versions
         status = CANCELLED
+    if closer.done() and not closer.cancelled() and closer.exception() is not None:
+        raise closer.exception()  # a defect of this test, not of the server
     closer.cancel()
     if killer is not None:
         killer.cancel()
