@@ -1,16 +1,23 @@
 """Real worker and gateway processes on 127.0.0.1 for the integration tests: each binds
-port 0 (a port free at run time) and writes the port it got to a ready file."""
+port 0 (a port free at run time) and writes the port it got to a ready file. Workers and
+gateways share one internal secret per test process (``INTERNAL_SECRET``, in a 0600 file):
+call a worker directly with ``tests.integration.rpc.worker_metadata()``."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from draftwise.hop import generate_secret, write_secret_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "clients" / "python"
@@ -34,6 +41,24 @@ MODEL_NAME = "draftwise-target"
 """What the workers call the embedded default model."""
 PARENT = (f"--parent-pid={os.getpid()}",)
 """Children exit by themselves should the test process die without cleaning up."""
+INTERNAL_SECRET = generate_secret()
+"""The secret every worker started here requires and every gateway started here sends."""
+_secret_file: Path | None = None
+
+
+def internal_secret_file() -> Path:
+    """The 0600 file holding INTERNAL_SECRET (in a 0700 folder removed at exit)."""
+    global _secret_file
+    if _secret_file is None:
+        folder = tempfile.mkdtemp(prefix="draftwise-test-secret-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _secret_file = write_secret_file(Path(folder) / "internal-secret", INTERNAL_SECRET)
+    return _secret_file
+
+
+def secret_args() -> tuple[str, ...]:
+    """The flag that gives a worker or gateway the tests' internal secret."""
+    return (f"--internal-secret-file={internal_secret_file()}",)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -110,7 +135,7 @@ def start_workers(n: int, tmp: Path, prefix: str = "worker") -> list[Proc]:
     procs = [
         Proc(
             f"{prefix}{i}",
-            ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *ENGINE_ARGS],
+            ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS],
             tmp,
         )
         for i in range(n)
@@ -126,7 +151,8 @@ def start_workers(n: int, tmp: Path, prefix: str = "worker") -> list[Proc]:
 
 
 def start_gateway(workers: list[Proc], tmp: Path, name: str = "gateway", *flags: str, env: dict | None = None) -> Proc:
-    args = ["-m", "draftwise.gateway", "--port=0", "--log-format=json", "--metrics-port=0", *PARENT, *flags]
+    args = ["-m", "draftwise.gateway", "--port=0", "--log-format=json", "--metrics-port=0", *PARENT, *secret_args()]
+    args += flags
     for w in workers:
         args.append(f"--worker={w.address}")
     return Proc(name, args, tmp, env=env).wait_ready(30)
