@@ -9,12 +9,15 @@ import atexit
 import contextlib
 import json
 import os
+import re
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from draftwise.hop import generate_secret, write_secret_file
@@ -163,3 +166,84 @@ def metrics_port(gateway: Proc) -> int:
         if event.get("event") == "gateway listening":
             return int(event["metrics_port"])
     raise AssertionError("the gateway logged no 'gateway listening' line")
+
+
+LISTENING = re.compile(
+    r"^draftwise serving (?P<model>\S+) on 127\.0\.0\.1:(?P<port>\d+) \((?P<workers>\d+) workers?"
+    r"(?:, TLS)?(?:; metrics on http://[^:]+:(?P<metrics>\d+)/metrics)?\); Ctrl-C stops$"
+)
+"""The line ``draftwise serve`` prints once it serves."""
+
+
+class ServeProc:
+    """A real ``draftwise serve`` (gateway + supervised workers) on port 0, its console (stderr)
+    in ``serve.log``; the JSON log lines of serve and its workers are there too."""
+
+    def __init__(self, tmp: Path, *flags: str, workers: int = 1, env: dict[str, str] | None = None) -> None:
+        self.log_file = tmp / "serve.log"
+        args = [sys.executable, "-m", "draftwise.cli", "serve", f"--workers={workers}", "--port=0"]
+        args += ["--log-format=json", "--metrics-port=0", *ENGINE_ARGS, *flags]
+        with open(self.log_file, "wb") as log:
+            self.popen = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=log, env=env or child_env(), cwd=tmp, text=True
+            )
+        self.port = self.metrics_port = 0
+        self.model = ""
+
+    def wait_listening(self, timeout: float = 180.0) -> ServeProc:
+        sel = selectors.DefaultSelector()
+        sel.register(self.popen.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            self.close()
+            raise AssertionError(f"draftwise serve printed nothing in {timeout} s:\n{self.log()[-4000:]}")
+        line = self.popen.stdout.readline().rstrip("\n")
+        m = LISTENING.match(line)
+        if not m:
+            self.close()
+            raise AssertionError(f"unexpected first line {line!r}:\n{self.log()[-4000:]}")
+        self.model, self.port, self.metrics_port = m["model"], int(m["port"]), int(m["metrics"] or 0)
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def log_events(self) -> list[dict]:
+        out = []
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+        return out
+
+    def ready_workers(self) -> dict[str, dict]:
+        """The latest "worker ready" line of each worker name (pid, address, restarts, down_s)."""
+        return {e["worker"]: e for e in self.log_events() if e.get("event") == "worker ready" and "restarts" in e}
+
+    def metrics(self) -> dict[str, float]:
+        """The gateway's Prometheus samples: {'name{labels}': value}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def secret_file(self) -> Path:
+        """The internal secret file serve gave its workers (from a worker's command line)."""
+        for e in self.ready_workers().values():
+            cmd = Path(f"/proc/{e['pid']}/cmdline").read_bytes().decode().split("\0")
+            return Path(cmd[cmd.index("--internal-secret-file") + 1])
+        raise AssertionError("no worker is ready")
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+        with contextlib.suppress(Exception):
+            self.popen.stdout.close()
