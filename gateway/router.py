@@ -31,6 +31,8 @@ log = structlog.get_logger("draftwise.gateway.router")
 SLOW_POLLS_BEFORE_DOWN = 3
 """Consecutive GetLoad timeouts after which a worker that still accepts connections is taken out."""
 
+NOT_POLLED = "not polled yet"
+"""Why a worker is down before its first poll answered."""
 OLD_CHANNEL_GRACE_S = 5.0
 """After a worker's address is replaced, calls still open on the old channel get this long before it closes."""
 
@@ -65,7 +67,7 @@ class WorkerHandle:
     num_speculative_tokens: int = 0
     load: wpb.GetLoadResponse = field(default_factory=wpb.GetLoadResponse)
     in_flight: int = 0  # this gateway's requests on it
-    last_error: str = "not polled yet"
+    last_error: str = NOT_POLLED
     last_poll: float = 0.0
     slow_polls: int = 0  # consecutive GetLoad timeouts
 
@@ -166,7 +168,7 @@ class Router:
             setattr(w, key, value)
         w.load = wpb.GetLoadResponse()
         w.slow_polls = 0
-        self._set_healthy(w, False, "restarted; not polled yet")
+        self._set_healthy(w, False, NOT_POLLED)
         log.info("worker address replaced", worker=name, old=old_address, new=address)
         self._spawn(old.close(OLD_CHANNEL_GRACE_S))
         self._spawn(self._poll(w))
@@ -194,9 +196,12 @@ class Router:
             if channel is not w.channel:  # the address changed meanwhile: this answer is stale
                 return
             w.slow_polls += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            reason = f"GetLoad failed: {e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                reason += " (give the gateway the workers' --internal-secret-file)"
             # unreachable: out at once; merely slow (a busy machine): out after a few misses
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.slow_polls >= SLOW_POLLS_BEFORE_DOWN:
-                self._set_healthy(w, False, f"GetLoad failed: {e.code().name}: {e.details()}")
+                self._set_healthy(w, False, reason)
             return
         if channel is not w.channel:
             return
@@ -222,7 +227,7 @@ class Router:
         self._set_healthy(w, not load.draining, "draining" if load.draining else "")
 
     def _set_healthy(self, w: WorkerHandle, healthy: bool, reason: str) -> None:
-        if healthy != w.healthy:
+        if healthy != w.healthy or (not healthy and w.last_error == NOT_POLLED):  # a change, or why it never came up
             if healthy:
                 log.info("worker up", worker=w.name, address=w.address, model=w.model)
             else:
