@@ -156,13 +156,11 @@ class Router:
         raise KeyError(f"no worker named {name!r}")
 
     def replace_address(self, name: str, address: str) -> None:
-        """Point worker ``name`` at ``address`` (it restarted on another port): a new channel,
+        """Point worker ``name`` at ``address`` (it restarted, likely on another port): a new channel,
         out of rotation until its first poll, which starts at once. Calls still open on the old
         channel get OLD_CHANNEL_GRACE_S to end."""
         w = self.worker(name)
-        if address == w.address:
-            self._spawn(self._poll(w))
-            return
+        # a new channel even on the same port: the old one may be in reconnect backoff
         old, old_address = w.channel, w.address
         for key, value in _connect(address, self._metadata).items():
             setattr(w, key, value)

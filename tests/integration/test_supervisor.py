@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draftwise.gateway.supervisor import Backoff, RestartPolicy, describe_exit
-from draftwise.hop import read_secret_file, secret_metadata
+from draftwise.hop import read_secret_file, secret_metadata, write_secret_file
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import worker_service_pb2 as wpb
@@ -55,6 +55,12 @@ async def _generate(address: str, metadata: tuple = ()) -> str:
     return events[-1].WhichOneof("kind")
 
 
+async def _get_load(address: str, secret: str) -> str:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = wgrpc.WorkerServiceStub(ch)
+        return (await stub.GetLoad(wpb.GetLoadRequest(), timeout=5, metadata=secret_metadata(secret))).model
+
+
 async def _health(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as ch:
         return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
@@ -63,11 +69,15 @@ async def _health(address: str) -> int:
 def test_a_worker_that_dies_while_restarting_is_given_up_and_serve_exits_when_none_is_left(tmp_path):
     model = tmp_path / "mymodel"
     shutil.copytree(ROOT / "worker" / "default_models" / "target", model)
-    serve = ServeProc(tmp_path, f"--model={model}", workers=2).wait_listening()
+    secret_file = write_secret_file(tmp_path / "my-secret", "my-own-secret-of-this-deployment")
+    serve = ServeProc(tmp_path, f"--model={model}", f"--internal-secret-file={secret_file}", workers=2)
+    serve.wait_listening()
     try:
         assert serve.model == "mymodel"
         first = serve.ready_workers()
         assert sorted(first) == ["worker-0", "worker-1"]
+        assert serve.secret_file() == secret_file  # serve --internal-secret-file: the workers use that file
+        assert asyncio.run(_get_load(first["worker-0"]["address"], "my-own-secret-of-this-deployment")) == "mymodel"
         metrics = serve.metrics()
         assert metrics['draftwise_worker_healthy{worker="worker-0"}'] == 1
         assert metrics['draftwise_worker_healthy{worker="worker-1"}'] == 1
