@@ -204,7 +204,7 @@ class Supervisor:
             if stop.is_set():
                 return 0
             if time.monotonic() > deadline:
-                self._say(f"error: the workers did not start within {self.startup_timeout_s:.0f} s")
+                self._say(f"error: the workers did not start within {self.startup_timeout_s:g} s")
                 return 1
             for p in self.procs:
                 self._check(p, time.monotonic())
@@ -239,7 +239,7 @@ class Supervisor:
             elif now - p.started_at > self.startup_timeout_s and p.restarts:
                 p.signal(signal.SIGKILL)
                 p.popen.wait()
-                self._give_up(p, f"did not start within {self.startup_timeout_s:.0f} s")
+                self._give_up(p, f"did not start within {self.startup_timeout_s:g} s")
         elif p.state == State.RUNNING:
             if p.exited():
                 self._died(p, now)

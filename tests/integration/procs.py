@@ -241,6 +241,20 @@ class ServeProc:
             return Path(cmd[cmd.index("--internal-secret-file") + 1])
         raise AssertionError("no worker is ready")
 
+    def worker_pids(self) -> set[int]:
+        """Pids of the live worker processes of this serve (from /proc)."""
+        out = set()
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    cmd = (d / "cmdline").read_bytes().split(b"\0")
+                    state = (d / "stat").read_text().split()[2]
+                except OSError:
+                    continue
+                if b"draftwise.worker.server" in cmd and str(self.popen.pid).encode() in cmd and state != "Z":
+                    out.add(int(d.name))
+        return out
+
     def close(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()

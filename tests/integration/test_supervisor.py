@@ -105,6 +105,42 @@ def test_a_worker_that_dies_while_restarting_is_given_up_and_serve_exits_when_no
         serve.close()
 
 
+def test_a_restarted_worker_that_hangs_while_starting_is_given_up(tmp_path):
+    serve = ServeProc(tmp_path, "--startup-timeout=15", workers=1).wait_listening()
+    try:
+        (first,) = serve.ready_workers().values()
+        os.kill(first["pid"], signal.SIGKILL)
+        new: set[int] = set()
+
+        def restarted() -> bool:
+            new.update(serve.worker_pids() - {first["pid"]})
+            return bool(new)
+
+        _wait_for(restarted, 30, "a restarted worker process")
+        (pid,) = new
+        os.kill(pid, signal.SIGSTOP)  # hangs while loading its model
+        t_stopped = time.monotonic()
+        assert asyncio.run(_health(serve.address)) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert serve.popen.wait(60) == 1
+        assert time.monotonic() - t_stopped > 10  # it got its startup time first
+        log = serve.log()
+        assert "error: worker 0 did not start within 15 s; not restarting it" in log
+        assert "error: no worker is left (every one was given up); stopping" in log
+        assert pid not in serve.worker_pids()  # killed, not left behind stopped
+    finally:
+        serve.close()
+
+
+def test_serve_gives_up_on_workers_that_start_too_slowly(tmp_path):
+    serve = ServeProc(tmp_path, "--startup-timeout=0.2", workers=2)
+    try:
+        assert serve.popen.wait(60) == 1
+        assert "error: the workers did not start within 0.2 s" in serve.log()
+        _wait_for(lambda: not serve.worker_pids(), 10, "the workers gone")
+    finally:
+        serve.close()
+
+
 def test_workers_get_a_private_secret_and_no_client_keys(tmp_path):
     env = child_env(DRAFTWISE_API_KEYS="client-key-1", DRAFTWISE_API_KEY="client-key-2", MY_KEYS="client-key-3")
     serve = ServeProc(tmp_path, "--api-keys-env=MY_KEYS", workers=1, env=env).wait_listening()
