@@ -59,6 +59,10 @@ class GatewayConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.worker_names and len(self.worker_names) != len(self.workers):
             raise ValueError(f"{len(self.worker_names)} worker names for {len(self.workers)} workers")
+        for what, items in (("worker address", self.workers), ("worker name", self.worker_names)):
+            twice = sorted({x for x in items if items.count(x) > 1})
+            if twice:
+                raise ValueError(f"{what} given twice: {', '.join(twice)}")
         for address in self.workers:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():

@@ -10,6 +10,8 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -182,3 +184,22 @@ def test_workers_get_a_private_secret_and_no_client_keys(tmp_path):
         assert not secret_file.exists()  # one secret per launch, gone with it
     finally:
         serve.close()
+
+
+def test_worker_names_are_checked():
+    from draftwise.gateway.config import GatewayConfig
+
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    assert GatewayConfig(workers=(a, b), worker_names=("worker-0", "worker-1")).worker_names == ("worker-0", "worker-1")
+    with pytest.raises(ValueError, match="1 worker names for 2 workers"):
+        GatewayConfig(workers=(a, b), worker_names=("worker-0",))
+    with pytest.raises(ValueError, match="worker name given twice: w"):
+        GatewayConfig(workers=(a, b), worker_names=("w", "w"))
+    res = subprocess.run(
+        [sys.executable, "-m", "draftwise.gateway", f"--worker={a}", f"--worker={a}", "--port=0"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and f"error: worker address given twice: {a}" in res.stderr, res.stderr
