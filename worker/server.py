@@ -1,15 +1,18 @@
 """The worker process: the engine behind ``draftwise.v1.WorkerService`` on grpc.aio + uvloop.
 
-    python -m draftwise.worker.server --port 50061 [--model FOLDER] [--max-num-seqs 64 ...]
+    python -m draftwise.worker.server --port 50061 --internal-secret-file SECRET [--model FOLDER] ...
 
-The engine loop runs on its own thread (``AsyncEngine``), so the event loop answers load and
+Every call but grpc.health.v1 must carry the launch's shared secret (``draftwise.hop``;
+``draftwise serve`` makes one per launch): only the gateway reaches the engine. The engine loop runs on its own thread (``AsyncEngine``), so the event loop answers load and
 health checks promptly at full load. When the gateway cancels a call (its client cancelled,
 or its stream closed), the request is aborted and its blocks are free before the next step.
 ``GetLoad`` also sends the model's context length as trailing metadata
 (``draftwise-max-model-len``), which the gateway reports in ListModels. With
 ``--parent-pid`` the worker exits when that process is gone (``draftwise serve`` passes its
-own pid, so workers never outlive it). If the engine loop dies, health turns NOT_SERVING
-and the process exits with status 1.
+own pid, so workers never outlive it). A request the engine fails on its own ends with
+INTERNAL (the others go on); if the engine stops (out of memory, a device error), health
+turns NOT_SERVING at once, in-flight calls end with UNAVAILABLE and the process exits with
+status 1, for its supervisor to replace.
 """
 
 from __future__ import annotations
