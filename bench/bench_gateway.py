@@ -35,6 +35,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, heldout_prompts, machine, write_section  # noqa: E402
 
+from draftwise.hop import generate_secret, write_secret_file  # noqa: E402
 from draftwise.logs import configure_logging  # noqa: E402
 from draftwise.v1 import generate_service_pb2 as gspb  # noqa: E402
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc  # noqa: E402
@@ -203,15 +204,18 @@ def main() -> None:
     engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
+        # the internal hop as under draftwise serve: one secret, required by the worker, sent by the gateway
+        secret = f"--internal-secret-file={write_secret_file(Path(tmp) / 'internal-secret', generate_secret())}"
         try:
             worker, wport = start(
-                ["-m", "draftwise.worker.server", "--port=0", "--log-level=warning", *engine_flags],
+                ["-m", "draftwise.worker.server", "--port=0", "--log-level=warning", secret, *engine_flags],
                 Path(tmp),
                 "worker",
                 env,
             )
             procs.append(worker)
             gw_args = ["-m", "draftwise.gateway", "--port=0", "--log-level=warning", f"--worker=127.0.0.1:{wport}"]
+            gw_args.append(secret)
             gateway, gport = start(gw_args, Path(tmp), "gateway", env)
             procs.append(gateway)
             address = f"127.0.0.1:{gport}"

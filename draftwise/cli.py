@@ -139,6 +139,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from draftwise.gateway.launcher import ServeConfig, serve
     from draftwise.gateway.main import config_from_args, run_loop
+    from draftwise.hop import CLIENT_KEY_ENV_VARS
     from draftwise.logs import configure_logging
 
     worker_args: list[str] = []
@@ -159,6 +160,9 @@ def _serve(args: argparse.Namespace) -> int:
             startup_timeout_s=args.startup_timeout,
             log_format=args.log_format,
             log_level=args.log_level,
+            internal_secret_file=args.internal_secret_file,
+            # client keys stay with the gateway: the workers never see them
+            scrub_env=tuple(k for k in dict.fromkeys((*CLIENT_KEY_ENV_VARS, args.api_keys_env)) if k),
             gateway=config_from_args(args, ()),
         )
     except ValueError as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,10 @@ class GatewayConfig:
     """Port to listen on; 0 picks a free one (see ``Gateway.port``)."""
     workers: tuple[str, ...] = ()
     """Worker addresses (host:port) serving ``draftwise.v1.WorkerService``."""
+    worker_names: tuple[str, ...] = ()
+    """Stable names of ``workers`` (their metrics' ``worker`` label); empty: each worker's address."""
+    internal_secret: str = field(default="", repr=False)
+    """Shared secret sent to the workers on every call (``draftwise.hop``); empty: none (insecure workers)."""
     max_in_flight: int = 1024
     """Requests in flight gateway-wide; past it a new request gets RESOURCE_EXHAUSTED."""
     retry_after_ms: int = 250
@@ -53,6 +57,12 @@ class GatewayConfig:
             raise ValueError("TLS needs both a certificate (tls_cert) and its key (tls_key)")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.worker_names and len(self.worker_names) != len(self.workers):
+            raise ValueError(f"{len(self.worker_names)} worker names for {len(self.workers)} workers")
+        for what, items in (("worker address", self.workers), ("worker name", self.worker_names)):
+            twice = sorted({x for x in items if items.count(x) > 1})
+            if twice:
+                raise ValueError(f"{what} given twice: {', '.join(twice)}")
         for address in self.workers:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():

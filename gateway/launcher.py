@@ -5,6 +5,12 @@ terminal's Ctrl-C reaches only this process, which then shuts everything down in
 with ``--parent-pid``, so they exit by themselves if this process dies without cleaning
 up. The gateway runs in this process: it imports neither torch nor the worker package.
 
+A worker that dies is restarted with backoff, one that dies while starting is given up
+(:mod:`draftwise.gateway.supervisor`); ``serve`` exits 1 only when no worker is left.
+The internal hop is authenticated: a fresh secret per launch, in a file only this user can
+read, passed to the workers with ``--internal-secret-file`` and sent by the gateway on every
+worker call (:mod:`draftwise.hop`). Workers do not inherit client API keys.
+
 Shutdown (Ctrl-C or SIGTERM): the gateway stops taking requests and lets in-flight ones
 finish for the grace period (then ends them with UNAVAILABLE), the workers get SIGTERM,
 and SIGKILL if they are still there after ``worker_stop_timeout_s``. A second Ctrl-C
@@ -14,14 +20,11 @@ skips the grace period.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +32,8 @@ import structlog
 
 from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.server import Gateway
+from draftwise.gateway.supervisor import RestartPolicy, Supervisor, WorkerProcess, worker_env
+from draftwise.hop import CLIENT_KEY_ENV_VARS, generate_secret, write_secret_file
 
 log = structlog.get_logger("draftwise.serve")
 
@@ -44,75 +49,39 @@ class ServeConfig:
     threads_per_worker: int | None = None
     """OMP_NUM_THREADS of each worker; None: the CPU cores shared out (unless OMP_NUM_THREADS is set)."""
     startup_timeout_s: float = 600.0
-    """Longest wait for every worker to load its model and listen."""
+    """Longest wait for every worker to load its model and listen (and for a restarted one)."""
     worker_stop_timeout_s: float = 15.0
     """After SIGTERM, how long a worker may take before it is killed."""
     log_format: str = "auto"
     """Log format of the workers (auto, json, console)."""
     log_level: str = "info"
     """Log level of the workers."""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    """When a worker that died is restarted."""
+    internal_secret_file: str | None = None
+    """Secret file given to the workers (its secret must be ``gateway.internal_secret``); None: a fresh one."""
+    scrub_env: tuple[str, ...] = CLIENT_KEY_ENV_VARS
+    """Environment variables the workers do not inherit (client API keys)."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The gateway (its ``workers`` are filled in with the started workers' addresses)."""
 
 
-class WorkerProcess:
-    def __init__(self, index: int, args: list[str], env: dict[str, str], ready_file: Path) -> None:
-        self.index = index
-        self.ready_file = ready_file
-        self.popen = subprocess.Popen(args, env=env, process_group=0)
-        self.port: int | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def poll_ready(self) -> bool:
-        if self.port is None and self.ready_file.is_file():
-            text = self.ready_file.read_text().strip()
-            if text:
-                self.port = int(text)
-        return self.port is not None
-
-    def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(sig)
-
-
-def _spawn(cfg: ServeConfig, tmp: Path) -> list[WorkerProcess]:
-    env = dict(os.environ)
-    if cfg.threads_per_worker is not None:
-        env["OMP_NUM_THREADS"] = str(cfg.threads_per_worker)
-    elif "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.num_workers))
+def _worker_procs(cfg: ServeConfig, tmp: Path, secret_file: Path) -> list[WorkerProcess]:
+    env = worker_env(cfg.scrub_env, cfg.threads_per_worker, cfg.num_workers)
     procs = []
     for i in range(cfg.num_workers):
-        ready = tmp / f"worker-{i}.port"
         # -P: the current directory stays off sys.path, so a source checkout there (whose
         # draftwise/ folder lacks the worker package) cannot shadow the installed package
         args = [sys.executable, "-P", "-m", "draftwise.worker.server", "--host", "127.0.0.1", "--port", "0"]
-        args += ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
+        args += ["--internal-secret-file", str(secret_file), "--parent-pid", str(os.getpid())]
         args += ["--log-format", cfg.log_format, "--log-level", cfg.log_level, *cfg.worker_args]
-        procs.append(WorkerProcess(i, args, env, ready))
+        procs.append(WorkerProcess(i, args, env, tmp / f"worker-{i}.port", cfg.restart.stderr_tail_lines))
     return procs
 
 
-async def _stop_workers(procs: list[WorkerProcess], timeout: float) -> None:
-    for p in procs:
-        p.signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while any(p.popen.poll() is None for p in procs) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    for p in procs:
-        if p.popen.poll() is None:
-            log.warning("worker did not stop in time; killing it", worker=p.index, pid=p.popen.pid)
-            p.signal(signal.SIGKILL)
-            p.popen.wait()
-
-
 async def serve(cfg: ServeConfig, out: object = None) -> int:
-    """Run until Ctrl-C or SIGTERM; 0 after a clean shutdown, 1 when startup failed or every
-    worker died. Prints where it listens to ``out`` (stdout by default)."""
+    """Run until Ctrl-C or SIGTERM; 0 after a clean shutdown, 1 when startup failed or no
+    worker is left. Prints where it listens to ``out`` (stdout by default)."""
     stream = out if out is not None else sys.stdout
     signals = 0
     stop, now = asyncio.Event(), asyncio.Event()
@@ -133,15 +102,30 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
     if port_problem:  # before the workers spend time loading the model
         print(f"error: {port_problem}", file=sys.stderr)
         return 1
-    with tempfile.TemporaryDirectory(prefix="draftwise-serve-") as tmp:
-        procs = _spawn(cfg, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="draftwise-serve-") as tmp:  # mode 0700
+        gateway_cfg = cfg.gateway
+        if cfg.internal_secret_file is None:
+            secret = generate_secret()
+            secret_file = write_secret_file(Path(tmp) / "internal-secret", secret)  # mode 0600
+            gateway_cfg = replace(gateway_cfg, internal_secret=secret)
+        else:
+            secret_file = Path(cfg.internal_secret_file)
+        sup = Supervisor(_worker_procs(cfg, Path(tmp), secret_file), cfg.restart, cfg.startup_timeout_s)
         gateway: Gateway | None = None
         try:
-            code = await _wait_workers(cfg, procs, stop)
+            code = await sup.start(stop)
             if code is not None:
                 return code
-            gateway = Gateway(replace(cfg.gateway, workers=tuple(p.address for p in procs)))
+            gateway = Gateway(
+                replace(
+                    gateway_cfg,
+                    workers=tuple(p.address for p in sup.procs),
+                    worker_names=tuple(p.name for p in sup.procs),
+                )
+            )
             await gateway.start()
+            sup.router = gateway.router
+            sup.restart_counter = getattr(gateway.metrics, "worker_restarts", None)
             if not await gateway.wait_serving(30.0):
                 print("error: the workers started but none answers the gateway", file=sys.stderr)
                 return 1
@@ -151,13 +135,14 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
             extra = (
                 f"; metrics on http://{g.metrics_host}:{gateway.metrics_port}/metrics" if gateway.metrics_port else ""
             )
+            n = len(sup.procs)
             print(
-                f"draftwise serving {models} on {where} ({len(procs)} worker{'s' * (len(procs) > 1)}"
+                f"draftwise serving {models} on {where} ({n} worker{'s' * (n > 1)}"
                 f"{', TLS' if g.tls_cert else ''}{extra}); Ctrl-C stops",
                 file=stream,
                 flush=True,
             )
-            code = await _run_until_stopped(procs, stop)
+            code = await sup.run(stop)
             stopping = asyncio.create_task(gateway.stop())
             fast = asyncio.create_task(now.wait())
             await asyncio.wait({stopping, fast}, return_when=asyncio.FIRST_COMPLETED)
@@ -168,7 +153,7 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
             fast.cancel()
             return code
         finally:
-            await _stop_workers(procs, 0.0 if now.is_set() else cfg.worker_stop_timeout_s)
+            await sup.stop(0.0 if now.is_set() else cfg.worker_stop_timeout_s)
             log.info("stopped")
 
 
@@ -188,38 +173,3 @@ def _port_in_use(host: str, port: int) -> str | None:
         except OSError as e:
             return f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick one with --port)"
     return None
-
-
-async def _wait_workers(cfg: ServeConfig, procs: list[WorkerProcess], stop: asyncio.Event) -> int | None:
-    """None once every worker listens; else the exit status to return."""
-    deadline = time.monotonic() + cfg.startup_timeout_s
-    while not all(p.poll_ready() for p in procs):
-        for p in procs:
-            if p.popen.poll() is not None:
-                print(
-                    f"error: worker {p.index} exited with status {p.popen.returncode} while starting", file=sys.stderr
-                )
-                return 1
-        if stop.is_set():
-            return 0
-        if time.monotonic() > deadline:
-            print(f"error: the workers did not start within {cfg.startup_timeout_s:.0f} s", file=sys.stderr)
-            return 1
-        await asyncio.sleep(0.1)
-    return None
-
-
-async def _run_until_stopped(procs: list[WorkerProcess], stop: asyncio.Event) -> int:
-    """Wait for a stop signal, watching the workers; 1 if they all died first."""
-    reported: set[int] = set()
-    while not stop.is_set():
-        for p in procs:
-            if p.popen.poll() is not None and p.index not in reported:
-                reported.add(p.index)
-                log.error("worker exited", worker=p.index, status=p.popen.returncode, address=p.address)
-        if len(reported) == len(procs):
-            print("error: every worker exited; stopping", file=sys.stderr)
-            return 1
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
-    return 0

@@ -16,6 +16,7 @@ import structlog
 from draftwise.gateway.auth import load_api_keys
 from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.server import Gateway, write_ready_file
+from draftwise.hop import read_secret_file
 from draftwise.logs import configure_logging
 
 log = structlog.get_logger("draftwise.gateway")
@@ -46,6 +47,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=API_KEYS_ENV,
         help=f"environment variable holding API keys, comma separated (default {API_KEYS_ENV}; unset: none)",
     )
+    p.add_argument(
+        "--internal-secret-file",
+        default=None,
+        help="file holding the secret the workers require (draftwise serve: default a fresh one per launch)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off; 0: any)")
@@ -71,6 +77,7 @@ def config_from_args(args: argparse.Namespace, workers: tuple[str, ...]) -> Gate
         retry_after_ms=args.retry_after_ms,
         max_buffered_tokens=args.max_buffered_tokens,
         api_keys=load_api_keys(args.api_key_file, args.api_keys_env),
+        internal_secret=read_secret_file(args.internal_secret_file) if args.internal_secret_file else "",
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_port=args.metrics_port,

@@ -1,29 +1,40 @@
 """Workers and routing: each worker's ``GetLoad`` is polled periodically; a request goes to
 the least-loaded healthy worker serving its model, counting the gateway's own in-flight
-requests first (they change at once, polls lag) and the worker's queue and KV use next."""
+requests first (they change at once, polls lag) and the worker's queue and KV use next.
+
+Each worker has a stable name (``worker-0``... under ``draftwise serve``, else its address)
+that labels its metrics; a restarted worker may come back on another port, and
+:meth:`Router.replace_address` points the same name at it. Every call to a worker carries
+the internal secret (``draftwise.hop``) when the gateway has one."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
 
 from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.hop import secret_metadata
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
 
 log = structlog.get_logger("draftwise.gateway.router")
 
-"""Trailing metadata of the worker's GetLoad: the context length of its model."""
-
 SLOW_POLLS_BEFORE_DOWN = 3
 """Consecutive GetLoad timeouts after which a worker that still accepts connections is taken out."""
+
+NOT_POLLED = "not polled yet"
+"""Why a worker is down before its first poll answered."""
+OLD_CHANNEL_GRACE_S = 5.0
+"""After a worker's address is replaced, calls still open on the old channel get this long before it closes."""
 
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),  # notice a restarted worker quickly
@@ -41,10 +52,13 @@ CHANNEL_OPTIONS = (
 class WorkerHandle:
     """One worker as the gateway sees it."""
 
-    address: str
+    name: str  # stable across restarts: the ``worker`` label of its metrics
+    address: str  # where it listens now (a restarted worker may have another port)
     channel: grpc.aio.Channel
-    generate: grpc.aio.UnaryStreamMultiCallable  # WorkerService.Generate, events parsed as GenerateResponse
-    get_load: grpc.aio.UnaryUnaryMultiCallable
+    # WorkerService.Generate (events parsed as GenerateResponse) and GetLoad, the internal
+    # secret bound in: call them as multicallables (request, timeout=...)
+    generate: Callable[..., grpc.aio.UnaryStreamCall]
+    get_load: Callable[..., grpc.aio.UnaryUnaryCall]
     healthy: bool = False
     model: str = ""
     max_model_len: int = 0
@@ -53,7 +67,7 @@ class WorkerHandle:
     num_speculative_tokens: int = 0
     load: wpb.GetLoadResponse = field(default_factory=wpb.GetLoadResponse)
     in_flight: int = 0  # this gateway's requests on it
-    last_error: str = "not polled yet"
+    last_error: str = NOT_POLLED
     last_poll: float = 0.0
     slow_polls: int = 0  # consecutive GetLoad timeouts
 
@@ -63,23 +77,35 @@ class WorkerHandle:
         return self.in_flight, self.load.num_requests_waiting, 1 - self.load.num_free_kv_blocks / total
 
 
-def _worker_handle(address: str) -> WorkerHandle:
+def _connect(address: str, metadata: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """A channel to ``address`` and its two multicallables, ``metadata`` sent on every call."""
     channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return WorkerHandle(
-        address=address,
-        channel=channel,
-        generate=channel.unary_stream(
-            "/draftwise.v1.WorkerService/Generate",
-            request_serializer=wpb.WorkerServiceGenerateRequest.SerializeToString,
-            # wire-identical to WorkerServiceGenerateResponse: no copy on the way to the client
-            response_deserializer=gspb.GenerateResponse.FromString,
-        ),
-        get_load=channel.unary_unary(
-            "/draftwise.v1.WorkerService/GetLoad",
-            request_serializer=wpb.GetLoadRequest.SerializeToString,
-            response_deserializer=wpb.GetLoadResponse.FromString,
-        ),
+    generate = channel.unary_stream(
+        "/draftwise.v1.WorkerService/Generate",
+        request_serializer=wpb.WorkerServiceGenerateRequest.SerializeToString,
+        # wire-identical to WorkerServiceGenerateResponse: no copy on the way to the client
+        response_deserializer=gspb.GenerateResponse.FromString,
     )
+    get_load = channel.unary_unary(
+        "/draftwise.v1.WorkerService/GetLoad",
+        request_serializer=wpb.GetLoadRequest.SerializeToString,
+        response_deserializer=wpb.GetLoadResponse.FromString,
+    )
+    if metadata:
+        generate = functools.partial(generate, metadata=metadata)
+        get_load = functools.partial(get_load, metadata=metadata)
+    return {"address": address, "channel": channel, "generate": generate, "get_load": get_load}
+
+
+def worker_names(addresses: tuple[str, ...], names: tuple[str, ...]) -> tuple[str, ...]:
+    """The stable names of ``addresses``: ``names`` when given (one each, unique), else the addresses."""
+    if not names:
+        names = addresses
+    if len(names) != len(addresses):
+        raise ValueError(f"{len(names)} worker names for {len(addresses)} workers")
+    if len(set(names)) != len(names):
+        raise ValueError(f"worker names must be unique, got {list(names)}")
+    return names
 
 
 class Router:
@@ -92,8 +118,14 @@ class Router:
         poll_interval_s: float = 0.5,
         timeout_s: float = 2.0,
         on_health_change: Callable[[bool], None] | None = None,
+        names: tuple[str, ...] = (),
+        internal_secret: str = "",
     ) -> None:
-        self.workers = [_worker_handle(a) for a in addresses]
+        self._metadata = secret_metadata(internal_secret)
+        self.workers = [
+            WorkerHandle(name=n, **_connect(a, self._metadata))
+            for n, a in zip(worker_names(addresses, names), addresses, strict=True)
+        ]
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
@@ -101,6 +133,7 @@ class Router:
         self._serving = False
         self._task: asyncio.Task[None] | None = None
         self._tiebreak = itertools.count()
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         await self.poll_all()
@@ -110,7 +143,38 @@ class Router:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self.workers), return_exceptions=True)
+
+    def worker(self, name: str) -> WorkerHandle:
+        """The worker called ``name``; KeyError if there is none."""
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise KeyError(f"no worker named {name!r}")
+
+    def replace_address(self, name: str, address: str) -> None:
+        """Point worker ``name`` at ``address`` (it restarted, likely on another port): a new channel,
+        out of rotation until its first poll, which starts at once. Calls still open on the old
+        channel get OLD_CHANNEL_GRACE_S to end."""
+        w = self.worker(name)
+        # a new channel even on the same port: the old one may be in reconnect backoff
+        old, old_address = w.channel, w.address
+        for key, value in _connect(address, self._metadata).items():
+            setattr(w, key, value)
+        w.load = wpb.GetLoadResponse()
+        w.slow_polls = 0
+        self._set_healthy(w, False, NOT_POLLED)
+        log.info("worker address replaced", worker=name, old=old_address, new=address)
+        self._spawn(old.close(OLD_CHANNEL_GRACE_S))
+        self._spawn(self._poll(w))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _poll_loop(self) -> None:
         while True:
@@ -121,15 +185,23 @@ class Router:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
     async def _poll(self, w: WorkerHandle) -> None:
+        channel = w.channel
         try:
             call = w.get_load(wpb.GetLoadRequest(), timeout=self.timeout_s)
             load = await call
             trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as e:
+            if channel is not w.channel:  # the address changed meanwhile: this answer is stale
+                return
             w.slow_polls += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            reason = f"GetLoad failed: {e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                reason += " (give the gateway the workers' --internal-secret-file)"
             # unreachable: out at once; merely slow (a busy machine): out after a few misses
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.slow_polls >= SLOW_POLLS_BEFORE_DOWN:
-                self._set_healthy(w, False, f"GetLoad failed: {e.code().name}: {e.details()}")
+                self._set_healthy(w, False, reason)
+            return
+        if channel is not w.channel:
             return
         w.slow_polls = 0
         w.load = load
@@ -146,21 +218,21 @@ class Router:
         w.num_speculative_tokens = int(spec[SPEC_TOKENS_KEY])
         total = load.num_total_kv_blocks or 1
         m = self.metrics
-        m.kv_usage.labels(w.address).set(1 - load.num_free_kv_blocks / total)
-        m.worker_running.labels(w.address).set(load.num_requests_running)
-        m.worker_waiting.labels(w.address).set(load.num_requests_waiting)
-        m.worker_tokens_per_second.labels(w.address).set(load.tokens_per_second)
+        m.kv_usage.labels(w.name).set(1 - load.num_free_kv_blocks / total)
+        m.worker_running.labels(w.name).set(load.num_requests_running)
+        m.worker_waiting.labels(w.name).set(load.num_requests_waiting)
+        m.worker_tokens_per_second.labels(w.name).set(load.tokens_per_second)
         self._set_healthy(w, not load.draining, "draining" if load.draining else "")
 
     def _set_healthy(self, w: WorkerHandle, healthy: bool, reason: str) -> None:
-        if healthy != w.healthy:
+        if healthy != w.healthy or (not healthy and w.last_error == NOT_POLLED):  # a change, or why it never came up
             if healthy:
-                log.info("worker up", worker=w.address, model=w.model)
+                log.info("worker up", worker=w.name, address=w.address, model=w.model)
             else:
-                log.warning("worker down", worker=w.address, reason=reason)
+                log.warning("worker down", worker=w.name, address=w.address, reason=reason)
         w.healthy = healthy
         w.last_error = reason
-        self.metrics.worker_healthy.labels(w.address).set(1 if healthy else 0)
+        self.metrics.worker_healthy.labels(w.name).set(1 if healthy else 0)
         serving = any(x.healthy for x in self.workers)
         if serving != self._serving:
             self._serving = serving

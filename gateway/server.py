@@ -51,6 +51,8 @@ class Gateway:
             poll_interval_s=config.load_poll_interval_s,
             timeout_s=config.load_timeout_s,
             on_health_change=self._on_health_change,
+            names=config.worker_names,
+            internal_secret=config.internal_secret,
         )
         self.core = Core(
             config=config,

@@ -1,15 +1,18 @@
 """The worker process: the engine behind ``draftwise.v1.WorkerService`` on grpc.aio + uvloop.
 
-    python -m draftwise.worker.server --port 50061 [--model FOLDER] [--max-num-seqs 64 ...]
+    python -m draftwise.worker.server --port 50061 --internal-secret-file SECRET [--model FOLDER] ...
 
-The engine loop runs on its own thread (``AsyncEngine``), so the event loop answers load and
+Every call but grpc.health.v1 must carry the launch's shared secret (``draftwise.hop``;
+``draftwise serve`` makes one per launch): only the gateway reaches the engine. The engine loop runs on its own thread (``AsyncEngine``), so the event loop answers load and
 health checks promptly at full load. When the gateway cancels a call (its client cancelled,
 or its stream closed), the request is aborted and its blocks are free before the next step.
 ``GetLoad`` also sends the model's context length as trailing metadata
 (``draftwise-max-model-len``), which the gateway reports in ListModels. With
 ``--parent-pid`` the worker exits when that process is gone (``draftwise serve`` passes its
-own pid, so workers never outlive it). If the engine loop dies, health turns NOT_SERVING
-and the process exits with status 1.
+own pid, so workers never outlive it). A request the engine fails on its own ends with
+INTERNAL (the others go on); if the engine stops (out of memory, a device error), health
+turns NOT_SERVING at once, in-flight calls end with UNAVAILABLE and the process exits with
+status 1, for its supervisor to replace.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from draftwise.hop import InternalSecretInterceptor, read_secret_file
 from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
@@ -161,6 +165,10 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         )
 
     async def Drain(self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext) -> wpb.DrainResponse:  # noqa: N802
+        if request.resume:  # undo an earlier Drain
+            self.draining = False
+            log.info("resumed", in_flight=self.in_flight)
+            return wpb.DrainResponse(num_requests_in_flight=self.in_flight)
         self.draining = True
         log.info("draining", in_flight=self.in_flight)
         if request.wait:
@@ -197,12 +205,15 @@ async def serve(
     ready_file: str | None = None,
     parent_pid: int | None = None,
     grace_s: float = 10.0,
+    internal_secret: str | None = None,
 ) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     aengine = AsyncEngine(engine)
     aengine.start()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # every call but health must carry the launch's secret (None: --insecure-internal)
+    interceptors = [InternalSecretInterceptor(internal_secret)] if internal_secret is not None else []
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     servicer = WorkerServicer(aengine, model_name)
     wgrpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -282,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the parent) is gone")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument(
+        "--internal-secret-file",
+        default=None,
+        help="file holding the shared secret every call must carry (metadata draftwise-internal-secret); "
+        "draftwise serve makes one per launch",
+    )
+    p.add_argument(
+        "--insecure-internal",
+        action="store_true",
+        help="serve without --internal-secret-file: any local process may then call Generate, GetLoad and Drain",
+    )
+    p.add_argument(
         "--log-format", choices=["auto", "json", "console"], default="auto", help="log lines (default: auto)"
     )
     p.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
@@ -293,6 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.internal_secret_file is None and not args.insecure_internal:
+        print(
+            "error: a worker needs --internal-secret-file FILE (the same file as its gateway's): without it any "
+            "local process could call it directly, bypassing API keys and admission; --insecure-internal serves "
+            "without authentication anyway",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        secret = None if args.internal_secret_file is None else read_secret_file(args.internal_secret_file)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     name = args.model_name or default_model_name(cfg.model)
     try:
         import uvloop
@@ -301,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         run = asyncio.run
     try:
-        return run(serve(cfg, args.host, args.port, name, args.ready_file, args.parent_pid, args.shutdown_grace))
+        return run(
+            serve(cfg, args.host, args.port, name, args.ready_file, args.parent_pid, args.shutdown_grace, secret)
+        )
     except (ValueError, OSError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

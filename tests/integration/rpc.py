@@ -9,11 +9,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from draftwise.hop import secret_metadata
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
+from tests.integration.procs import INTERNAL_SECRET
+
+
+def worker_metadata(secret: str = INTERNAL_SECRET) -> tuple[tuple[str, str], ...]:
+    """Metadata of a direct call to a worker started by ``tests.integration.procs``:
+    ``stub.Generate(req, metadata=worker_metadata())``."""
+    return secret_metadata(secret)
 
 
 def start(
@@ -92,11 +100,12 @@ async def run_stream(
     return results
 
 
-async def worker_loads(addresses: Sequence[str]) -> list[wpb.GetLoadResponse]:
+async def worker_loads(addresses: Sequence[str], secret: str = INTERNAL_SECRET) -> list[wpb.GetLoadResponse]:
     out = []
     for a in addresses:
         async with grpc.aio.insecure_channel(a) as ch:
-            out.append(await wgrpc.WorkerServiceStub(ch).GetLoad(wpb.GetLoadRequest(), timeout=5))
+            stub = wgrpc.WorkerServiceStub(ch)
+            out.append(await stub.GetLoad(wpb.GetLoadRequest(), timeout=5, metadata=worker_metadata(secret)))
     return out
 
 

@@ -14,16 +14,15 @@ import pytest
 
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
-from tests.integration import rpc
-from tests.integration.procs import ENGINE_ARGS, PARENT, Proc
-from tests.integration.rpc import start, wait_workers_idle
+from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, secret_args
+from tests.integration.rpc import start, wait_workers_idle, worker_metadata
 
 LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def fault_workers(proc_dir):
-    base = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *ENGINE_ARGS]
+    base = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS]
     procs = [
         Proc("fault-plain", base, proc_dir),
         Proc("fault-spec", [*base, "--speculative-model=default", "--no-speculative-adaptive"], proc_dir),
@@ -46,8 +45,8 @@ async def _generate(stub, s, timeout: float | None = 120.0) -> tuple[grpc.Status
     call = stub.Generate(
         wpb.WorkerServiceGenerateRequest(start=s),
         timeout=timeout,
-        metadata=rpc.worker_metadata() if hasattr(rpc, "worker_metadata") else None,
-    )  # TODO(merge)
+        metadata=worker_metadata(),
+    )
     try:
         async for resp in call:
             if resp.event.WhichOneof("kind") == "delta":

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from draftwise.v1 import generation_pb2 as draftwise_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!draftwise/v1/worker_service.proto\x12\x0c\x64raftwise.v1\x1a\x1d\x64raftwise/v1/generation.proto\"L\n\x1cWorkerServiceGenerateRequest\x12,\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGeneration\"M\n\x1dWorkerServiceGenerateResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"\x10\n\x0eGetLoadRequest\"\xc2\x01\n\x0fGetLoadResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x05 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"\x1c\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"/\n\rDrainResponse\x12\x1e\n\x16num_requests_in_flight\x18\x01 \x01(\r2\x80\x02\n\rWorkerService\x12\x65\n\x08Generate\x12*.draftwise.v1.WorkerServiceGenerateRequest\x1a+.draftwise.v1.WorkerServiceGenerateResponse0\x01\x12\x46\n\x07GetLoad\x12\x1c.draftwise.v1.GetLoadRequest\x1a\x1d.draftwise.v1.GetLoadResponse\x12@\n\x05\x44rain\x12\x1a.draftwise.v1.DrainRequest\x1a\x1b.draftwise.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!draftwise/v1/worker_service.proto\x12\x0c\x64raftwise.v1\x1a\x1d\x64raftwise/v1/generation.proto\"L\n\x1cWorkerServiceGenerateRequest\x12,\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGeneration\"M\n\x1dWorkerServiceGenerateResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"\x10\n\x0eGetLoadRequest\"\xc2\x01\n\x0fGetLoadResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x05 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\",\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"/\n\rDrainResponse\x12\x1e\n\x16num_requests_in_flight\x18\x01 \x01(\r2\x80\x02\n\rWorkerService\x12\x65\n\x08Generate\x12*.draftwise.v1.WorkerServiceGenerateRequest\x1a+.draftwise.v1.WorkerServiceGenerateResponse0\x01\x12\x46\n\x07GetLoad\x12\x1c.draftwise.v1.GetLoadRequest\x1a\x1d.draftwise.v1.GetLoadResponse\x12@\n\x05\x44rain\x12\x1a.draftwise.v1.DrainRequest\x1a\x1b.draftwise.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADRESPONSE']._serialized_start=258
   _globals['_GETLOADRESPONSE']._serialized_end=452
   _globals['_DRAINREQUEST']._serialized_start=454
-  _globals['_DRAINREQUEST']._serialized_end=482
-  _globals['_DRAINRESPONSE']._serialized_start=484
-  _globals['_DRAINRESPONSE']._serialized_end=531
-  _globals['_WORKERSERVICE']._serialized_start=534
-  _globals['_WORKERSERVICE']._serialized_end=790
+  _globals['_DRAINREQUEST']._serialized_end=498
+  _globals['_DRAINRESPONSE']._serialized_start=500
+  _globals['_DRAINRESPONSE']._serialized_end=547
+  _globals['_WORKERSERVICE']._serialized_start=550
+  _globals['_WORKERSERVICE']._serialized_end=806
 # @@protoc_insertion_point(module_scope)

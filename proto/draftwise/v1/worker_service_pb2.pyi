@@ -41,10 +41,12 @@ class GetLoadResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("wait",)
+    __slots__ = ("wait", "resume")
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     wait: bool
-    def __init__(self, wait: _Optional[bool] = ...) -> None: ...
+    resume: bool
+    def __init__(self, wait: _Optional[bool] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("num_requests_in_flight",)

@@ -76,7 +76,8 @@ class WorkerServiceServicer:
 
     def Drain(self, request, context):
         """Stops accepting new requests (they get UNAVAILABLE) and lets the in-flight ones
-        finish. Idempotent; there is no way back short of a restart.
+        finish. Idempotent. With resume, undoes an earlier Drain: the worker accepts new
+        requests again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
