@@ -19,7 +19,7 @@ import pytest
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
-from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, start_gateway
+from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, secret_args, start_gateway
 from tests.integration.rpc import start, wait_workers_idle
 
 WORKER_KINDS: dict[str, tuple[str, ...]] = {
@@ -48,7 +48,8 @@ class Stack:
 def start_worker(name: str, tmp: Path, extra: Sequence[str] = ()) -> Proc:
     """One worker process of the embedded default model, started the way
     ``tests.integration.procs.start_workers`` starts them (not waited for)."""
-    args = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *ENGINE_ARGS, *extra]
+    args = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS]
+    args.extend(extra)
     return Proc(name, args, tmp)
 
 
