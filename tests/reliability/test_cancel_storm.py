@@ -124,6 +124,17 @@ def build_units(rng: random.Random) -> list[Unit]:
     return units
 
 
+USAGE: Counter[str] = Counter()
+"""Finished events (ABORT included) by whether their usage.prompt_tokens is the prompt's
+length: a figure the storm reports (aborted requests reporting 0 is issue 10's defect 9)."""
+
+
+def usage_note(finished: pb.Finished, s: pb.StartGeneration) -> str:
+    right = finished.usage.prompt_tokens == len(s.prompt.token_ids.ids)
+    reason = "abort" if finished.finish_reason == pb.FINISH_REASON_ABORT else "stop/length"
+    return f"{reason}: prompt_tokens {'right' if right else 'wrong'}"
+
+
 def outcome(result: Result) -> str | None:
     if result.final is None:
         return None
@@ -210,6 +221,8 @@ async def run_bidi(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
     out = []
     for r in unit.reqs:
         got = outcome(results[r.rid])
+        if got in (ABORT, OK):
+            USAGE[usage_note(results[r.rid].final.finished, r.start)] += 1
         if got is None:  # no final event: only the call's end can explain it
             got = status if status != OK else "MISSING"
         out.append((r.mode, got))
@@ -246,6 +259,7 @@ async def run_single(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
                     await cut()
             elif kind == "finished":
                 got = ABORT if resp.event.finished.finish_reason == pb.FINISH_REASON_ABORT else OK
+                USAGE[usage_note(resp.event.finished, r.start)] += 1
     except grpc.aio.AioRpcError as e:
         got = e.code().name
     except asyncio.CancelledError:
@@ -305,6 +319,7 @@ def test_cancel_storm_leaves_no_blocks_and_no_dead_workers(stack: Stack) -> None
     n_requests = sum(n for (mode, _), n in counts.items() if mode != "stream_end")
     print(f"\n{n_requests} requests in {len(units)} calls, storm {took:.1f} s; peak load on the workers: {peak}\n")
     print(format_table(counts, "mode"))
+    print(f"usage of finished events: {dict(USAGE)}")
     bad = {(mode, got): n for (mode, got), n in counts.items() if got not in ALLOWED.get(mode, ())}
     try:
         idle = assert_survived(stack, idle_timeout=IDLE_WITHIN_S)
