@@ -87,6 +87,15 @@ class GatewayMetrics:
         self.worker_healthy = Gauge(
             "draftwise_worker_healthy", "1 when the worker answers and accepts requests", ["worker"], registry=r
         )
+        self.worker_restarts = Counter(
+            "draftwise_worker_restarts", "Worker processes restarted by the supervisor", ["worker"], registry=r
+        )
+        self.engine_errors = Counter(
+            "draftwise_worker_engine_errors",
+            "Requests that failed with an engine error (INTERNAL/UNAVAILABLE from a worker)",
+            ["worker"],
+            registry=r,
+        )
 
     def observe_finished(self, finished: pb.Finished) -> None:
         """Usage, queue time and speculation counters of a request's Finished event."""

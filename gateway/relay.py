@@ -215,6 +215,8 @@ class Relay:
     def _on_worker_error(self, w: WorkerHandle, e: grpc.aio.AioRpcError) -> bool:
         code, details = e.code(), e.details() or ""
         S = grpc.StatusCode
+        if code in (S.INTERNAL, S.UNAVAILABLE):
+            self.core.metrics.engine_errors.labels(w.address).inc()
         if code == S.UNAVAILABLE:
             self.core.router.report_failure(w, f"Generate failed: {details}")
             if self.num_tokens == 0:
