@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from draftwise.gateway.admission import Admission
 from draftwise.gateway.auth import ApiKeyInterceptor
-from draftwise.gateway.config import GatewayConfig
+from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
@@ -30,7 +30,7 @@ log = structlog.get_logger("draftwise.gateway")
 
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the gateway checks max_request_bytes itself
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 )
