@@ -14,6 +14,7 @@ once. The handler gets each message as raw bytes and parses it here (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 
@@ -30,6 +31,15 @@ from draftwise.v1 import generation_pb2 as pb
 log = structlog.get_logger("draftwise.gateway.stream")
 
 _stream_ids = itertools.count()
+
+DRAIN_BEFORE_END_S = 0.5
+"""After a malformed message, how long the client's further messages are read and dropped
+(until it half-closes) before the call ends with INVALID_ARGUMENT."""
+
+
+async def _discard(requests: AsyncIterator[bytes]) -> None:
+    async for _ in requests:
+        pass
 
 
 class MultiplexedStream:
@@ -83,6 +93,12 @@ class MultiplexedStream:
                     req = parse_request(data, gspb.GenerateRequest, MAX_RECEIVE_BYTES)
                 except RequestError as e:
                     self._end_call(e, len(data))
+                    # read (and drop) what the client already sent, briefly: a client whose
+                    # write races with the call's status reports INTERNAL instead of the
+                    # status (grpc/grpc#36066)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(_discard(requests), DRAIN_BEFORE_END_S)
+                    self.outbox.close()
                     return
                 if len(data) > limit:  # parsed only to answer the request it names
                     self._too_large(req, len(data), limit)
@@ -114,7 +130,6 @@ class MultiplexedStream:
         self.fatal = error
         for relay in list(self.active.values()):
             relay.cancel()
-        self.outbox.close()
 
     def _too_large(self, req: gspb.GenerateRequest, size: int, limit: int) -> None:
         action = req.WhichOneof("action")
