@@ -33,6 +33,11 @@ SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the gateway checks max_request_bytes itself
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # calls that arrived while the event loop was busy wait for it rather than being dropped by
+    # gRPC with a bare CANCELLED (its default past 1,000 waiting): each then gets a real answer,
+    # RESOURCE_EXHAUSTED with the retry hint when over capacity
+    ("grpc.server.max_pending_requests", 1 << 20),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
 )
 
 
