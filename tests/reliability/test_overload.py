@@ -32,6 +32,7 @@ MAX_IN_FLIGHT = 16
 RETRY_AFTER_MS = 200
 MAX_TOKENS = 8
 CHANNELS = 4  # client connections the streams are spread over
+BURST = 4000  # calls started at once on one connection (past gRPC's default of 1,000 pending calls)
 GATEWAY_RSS_LIMIT_MIB = 400
 WORKER_RSS_LIMIT_MIB = 3072
 
@@ -110,6 +111,24 @@ async def burst(address: str) -> tuple[list[Outcome], float]:
             await ch.close()
 
 
+async def burst_codes(address: str, n: int) -> collections.Counter[str]:
+    """The statuses of ``n`` GenerateStream calls started at once over one connection."""
+
+    async def call(stub: gsgrpc.GenerateServiceStub, i: int) -> str:
+        req = gspb.GenerateStreamRequest(start=start("", f"# {i}", max_tokens=2, temperature=0))
+        try:
+            async for _ in stub.GenerateStream(req, timeout=80):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+        return "OK"
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        await ch.channel_ready()
+        stub = gsgrpc.GenerateServiceStub(ch)
+        return collections.Counter(await asyncio.gather(*(call(stub, i) for i in range(n))))
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -139,3 +158,14 @@ def test_overload_is_refused_fast_with_the_retry_hint(cluster):
         assert o.pushback == str(RETRY_AFTER_MS) and o.retry_info_ms == RETRY_AFTER_MS, o
     assert rss_gateway < GATEWAY_RSS_LIMIT_MIB and max(rss_workers) < WORKER_RSS_LIMIT_MIB
     asyncio.run(wait_workers_idle([w.address for w in workers], timeout=10))
+
+
+def test_a_burst_past_grpcs_pending_limit_gets_answers_not_cancelled(cluster):
+    """gRPC drops calls that wait for the event loop past its pending-request limit (1,000 by
+    default) with a bare CANCELLED, which no client can act on: every call of a burst must
+    get a real status (here RESOURCE_EXHAUSTED with the hint, or OK)."""
+    _, gateway = cluster
+    t0 = time.perf_counter()
+    codes = asyncio.run(burst_codes(gateway.address, BURST))
+    print(f"\nburst: {BURST} calls at once in {time.perf_counter() - t0:.1f} s: {dict(codes)}")
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
