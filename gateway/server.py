@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from draftwise.gateway.admission import Admission
 from draftwise.gateway.auth import ApiKeyInterceptor
 from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
+from draftwise.gateway.decode import DecodeInterceptor
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
@@ -64,7 +65,9 @@ class Gateway:
             metrics=self.metrics,
             id_prefix=f"gw{uuid.uuid4().hex[:8]}",
         )
-        interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeInterceptor(self.metrics)]
+        if config.api_keys:
+            interceptors.append(ApiKeyInterceptor(config.api_keys))
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.port = 0
         self.metrics_port: int | None = None

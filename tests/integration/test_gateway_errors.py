@@ -124,6 +124,37 @@ def test_random_bytes_on_unary_request_rpcs_are_invalid_argument(gateway, method
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed message" in details, (code, details)
 
 
+def test_random_bytes_on_health_and_reflection_are_invalid_argument(gateway):
+    """The services gRPC provides answered UNKNOWN ("Unexpected DecodeError") before."""
+
+    async def main():
+        async with grpc.aio.insecure_channel(gateway.address) as ch:
+            out = []
+            try:
+                await ch.unary_unary("/grpc.health.v1.Health/Check")(b"\xff\xff\xff", timeout=10)
+                out.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as e:
+                out.append(e.code())
+            try:
+                async for _ in ch.unary_stream("/grpc.health.v1.Health/Watch")(b"\xff\xff\xff", timeout=10):
+                    pass
+                out.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as e:
+                out.append(e.code())
+            call = ch.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(timeout=10)
+            await call.write(b"\xff\xff\xff")
+            try:
+                await call.done_writing()
+                while await call.read() != grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError:
+                pass
+            out.append(await call.code())
+            return out
+
+    assert asyncio.run(main()) == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+
+
 # ---------------------------------------------------------------------------- one size limit
 
 
