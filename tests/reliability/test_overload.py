@@ -1,5 +1,5 @@
-"""Overload: 1,000 concurrent streams against a gateway that admits 16 requests at a time, in
-front of two real workers. The excess is refused with RESOURCE_EXHAUSTED carrying the
+"""Overload: 1,000 concurrent streams (GenerateStream calls, or Generate streams of one request
+each) against a gateway that admits 16 requests at a time, in front of two real workers. The excess is refused with RESOURCE_EXHAUSTED carrying the
 standard retry hint (``grpc-retry-pushback-ms`` trailer and a ``google.rpc.RetryInfo``
 detail), fast; every admitted request completes; gateway and worker memory stay bounded.
 
@@ -97,14 +97,41 @@ async def one(stub: gsgrpc.GenerateServiceStub, i: int) -> Outcome:
     return out
 
 
-async def burst(address: str) -> tuple[list[Outcome], float]:
+async def one_multiplexed(stub: gsgrpc.GenerateServiceStub, i: int) -> Outcome:
+    """One Generate stream with one request: a refusal is that request's error event (with
+    ``retry_after_ms``), the stream itself ends OK."""
+    s = start("r", f"# {i}\ndef f(x):", max_tokens=MAX_TOKENS, temperature=0)
+    t0 = time.perf_counter()
+    call = stub.Generate(timeout=80)
+    await call.write(gspb.GenerateRequest(start=s))
+    await call.done_writing()
+    out = Outcome(grpc.StatusCode.OK, 0.0)
+    while (resp := await call.read()) != grpc.aio.EOF:
+        ev = resp.event
+        kind = ev.WhichOneof("kind")
+        if kind == "delta":
+            out.tokens += len(ev.delta.token_ids)
+        elif kind == "finished":
+            out.finish_reason = ev.finished.finish_reason
+        else:
+            out.code = next(c for c in grpc.StatusCode if c.value[0] == ev.error.code)
+            out.seconds = time.perf_counter() - t0
+            out.pushback = str(ev.error.retry_after_ms)
+            out.retry_info_ms = ev.error.retry_after_ms
+    assert await call.code() == grpc.StatusCode.OK
+    out.seconds = out.seconds or time.perf_counter() - t0
+    return out
+
+
+async def burst(address: str, kind: str) -> tuple[list[Outcome], float]:
     channels = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
     try:
         stubs = [gsgrpc.GenerateServiceStub(ch) for ch in channels]
         for ch in channels:
             await ch.channel_ready()
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(one(stubs[i % CHANNELS], i) for i in range(NUM_STREAMS)))
+        call = one if kind == "GenerateStream" else one_multiplexed
+        outcomes = await asyncio.gather(*(call(stubs[i % CHANNELS], i) for i in range(NUM_STREAMS)))
         return outcomes, time.perf_counter() - t0
     finally:
         for ch in channels:
@@ -134,9 +161,10 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def test_overload_is_refused_fast_with_the_retry_hint(cluster):
+@pytest.mark.parametrize("kind", ["GenerateStream", "Generate"])
+def test_overload_is_refused_fast_with_the_retry_hint(cluster, kind):
     workers, gateway = cluster
-    outcomes, wall = asyncio.run(burst(gateway.address))
+    outcomes, wall = asyncio.run(burst(gateway.address, kind))
     codes = collections.Counter(o.code.name for o in outcomes)
     admitted = [o for o in outcomes if o.code == grpc.StatusCode.OK]
     refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
@@ -145,7 +173,7 @@ def test_overload_is_refused_fast_with_the_retry_hint(cluster):
     rej = [o.seconds * 1000 for o in refused]
     ok = [o.seconds * 1000 for o in admitted]
     print(
-        f"\noverload: {NUM_STREAMS} streams, max in flight {MAX_IN_FLIGHT}, wall {wall:.1f} s; statuses {dict(codes)}"
+        f"\noverload ({kind}): {NUM_STREAMS} streams, max in flight {MAX_IN_FLIGHT}, wall {wall:.1f} s; statuses {dict(codes)}"
         f"\n  rejection latency ms: median {statistics.median(rej):.1f}, p99 {pct(rej, 0.99):.1f}, max {max(rej):.1f}"
         f"\n  admitted latency ms: median {statistics.median(ok):.1f}, p99 {pct(ok, 0.99):.1f}"
         f"\n  peak RSS MiB: gateway {rss_gateway:.0f}, workers {', '.join(f'{r:.0f}' for r in rss_workers)}"
