@@ -235,7 +235,7 @@ class Relay:
         code, details = e.code(), clip(e.details() or "", MAX_DETAILS_CHARS)
         S = grpc.StatusCode
         if code in (S.INTERNAL, S.UNAVAILABLE):
-            self.core.metrics.engine_errors.labels(w.address).inc()
+            self.core.metrics.engine_errors.labels(w.name).inc()
         if code == S.UNAVAILABLE:
             self.core.router.report_failure(w, f"Generate failed: {details}")
             if self.num_tokens == 0:

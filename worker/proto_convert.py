@@ -96,15 +96,12 @@ def responses_from_delta(d: RequestDelta) -> list[wpb.WorkerServiceGenerateRespo
 def fill_first_delta(msg: pb.TokenDelta, d: RequestDelta) -> None:
     """The prompt token count and queue time on a request's first delta, so that the gateway
     can report them in the final ABORT event of a request it cancels (it never sees the
-    worker's own final event then). They come from the engine's RequestDelta fields
-    ``num_prompt_tokens`` and ``queue_time`` (seconds) where it sets them; an engine without
-    them leaves both 0, which the gateway reads as unknown."""
-    prompt_tokens = getattr(d, "num_prompt_tokens", None)
-    if prompt_tokens:
-        msg.prompt_tokens = prompt_tokens
-    queue_time = getattr(d, "queue_time", None)
-    if queue_time is not None:
-        msg.queue_ms = queue_time * 1000
+    worker's own final event then), from the engine's RequestDelta fields
+    ``num_prompt_tokens`` and ``queue_time`` (seconds), set on the first delta only."""
+    if d.num_prompt_tokens:
+        msg.prompt_tokens = d.num_prompt_tokens
+    if d.queue_time is not None:
+        msg.queue_ms = d.queue_time * 1000
 
 
 def fill_speculation_stats(msg: pb.SpeculationStats, spec: SpecStats) -> None:

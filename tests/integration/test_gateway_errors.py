@@ -281,15 +281,21 @@ def test_resource_exhausted_carries_the_standard_retry_hint(one_slot_gateway, wo
 # ---------------------------------------------------------------------------- ABORT usage and timings
 
 
-def test_a_cancelled_requests_abort_reports_prompt_tokens_and_timings(gateway, workers):
+@pytest.mark.parametrize("kind", ["token_ids", "text"])
+def test_a_cancelled_requests_abort_reports_prompt_tokens_and_timings(gateway, workers, kind):
     """Defect 9: the ABORT event the gateway builds said prompt_tokens = 0, no timings, and
     the prompt-token metric never counted it."""
-    ids = list(range(100, 137))
+    from draftwise.worker import default_model_path
+    from draftwise.worker.tokenizer import load_tokenizer
+
+    text = "def cancelled(request):\n    return request.prompt_tokens  # counted\n"
+    prompt = list(range(100, 137)) if kind == "token_ids" else text
+    ids = prompt if kind == "token_ids" else load_tokenizer(default_model_path("target")).encode(text)
 
     async def main():
         async with grpc.aio.insecure_channel(gateway.address) as ch:
             call = gsgrpc.GenerateServiceStub(ch).Generate(timeout=60)
-            await call.write(start_req(start("c", ids, **LONG)))
+            await call.write(start_req(start("c", prompt, **LONG)))
             r = Result("c")
             while len(r.token_ids) < 3:
                 r.add((await call.read()).event)
@@ -307,6 +313,7 @@ def test_a_cancelled_requests_abort_reports_prompt_tokens_and_timings(gateway, w
     f = r.final.finished
     assert f.usage.prompt_tokens == len(ids) and f.usage.completion_tokens == len(r.token_ids)
     assert 0 < f.timings.time_to_first_token_ms <= f.timings.total_ms
+    assert f.timings.queue_ms > 0
     assert after["draftwise_prompt_tokens_total"] - before["draftwise_prompt_tokens_total"] == len(ids)
 
 

@@ -1,34 +1,35 @@
-"""A request's first delta carries its prompt token count and queue time
-(``TokenDelta.prompt_tokens``/``queue_ms``) where the engine's RequestDelta provides them
-(``num_prompt_tokens``, ``queue_time``); later deltas never do."""
+"""A request's first delta carries its prompt token count and queue time (the engine's
+``RequestDelta.num_prompt_tokens``/``queue_time``, sent as ``TokenDelta.prompt_tokens``/
+``queue_ms``), so that the gateway can report them for a request it cancels; later deltas
+never do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import pytest
 
-from draftwise.worker.outputs import RequestDelta
+from draftwise.worker import SamplingParams
+from draftwise.worker.config import EngineConfig
+from draftwise.worker.engine import LLMEngine
 from draftwise.worker.proto_convert import responses_from_delta
 
 
-@dataclass(frozen=True)
-class _FirstDelta(RequestDelta):
-    """A RequestDelta as an engine that reports the two figures makes it."""
-
-    num_prompt_tokens: int | None = None
-    queue_time: float | None = None
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=16))
 
 
-def _delta(first: int, cls: type[RequestDelta] = RequestDelta, **extra: object) -> RequestDelta:
-    return cls(request_id="r", token_ids=[7], first_token_index=first, text="x", logprobs=None, finished=False, **extra)
-
-
-def test_first_delta_carries_prompt_tokens_and_queue_time():
-    (resp,) = responses_from_delta(_delta(0, _FirstDelta, num_prompt_tokens=37, queue_time=0.25))
-    assert resp.event.delta.prompt_tokens == 37 and resp.event.delta.queue_ms == 250.0
-
-
-def test_later_deltas_and_engines_without_the_fields_leave_them_zero():
-    (later,) = responses_from_delta(_delta(5, _FirstDelta, num_prompt_tokens=37, queue_time=0.25))
-    assert later.event.delta.prompt_tokens == 0 and later.event.delta.queue_ms == 0
-    (plain,) = responses_from_delta(_delta(0))
-    assert plain.event.delta.prompt_tokens == 0 and plain.event.delta.queue_ms == 0
+def test_first_delta_carries_prompt_tokens_and_queue_time(engine):
+    req = engine.add_request("r", [1, 536, 887, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend(engine.step().deltas)
+    first, *later = deltas
+    assert first.first_token_index == 0 and first.num_prompt_tokens == 4
+    assert first.queue_time == pytest.approx(req.first_scheduled_time - req.arrival_time)
+    assert later and all(d.num_prompt_tokens is None and d.queue_time is None for d in later)
+    msg = responses_from_delta(first)[0].event.delta
+    assert msg.prompt_tokens == 4 and msg.queue_ms == pytest.approx(first.queue_time * 1000)
+    for d in later:
+        for resp in responses_from_delta(d):
+            if resp.event.WhichOneof("kind") == "delta":
+                assert resp.event.delta.prompt_tokens == 0 and resp.event.delta.queue_ms == 0
