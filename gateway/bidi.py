@@ -5,27 +5,41 @@ reads. A request's error is its own final event; the stream stays up.
 Ends: client half-close -> the in-flight requests finish, then OK. Client cancels the call
 -> every request is aborted (its worker call cancelled). Server shutdown -> in-flight
 requests finish (or are ended with UNAVAILABLE when the grace period runs out), then the
-call ends with UNAVAILABLE.
+call ends with UNAVAILABLE. A message that cannot be parsed (it has no request id to
+answer) -> the in-flight requests are aborted and the call ends with INVALID_ARGUMENT at
+once. The handler gets each message as raw bytes and parses it here (see
+``validate.parse_request``): a deserializer that raised would leave the call unread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from draftwise.gateway.relay import Core, Relay, RequestError, error_response
+from draftwise.gateway.config import MAX_RECEIVE_BYTES
+from draftwise.gateway.relay import Core, Relay, RequestError, clip, error_response
 from draftwise.gateway.streams import Outbox
-from draftwise.gateway.validate import validate_start
+from draftwise.gateway.validate import parse_request, too_large, validate_start
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generation_pb2 as pb
 
 log = structlog.get_logger("draftwise.gateway.stream")
 
 _stream_ids = itertools.count()
+
+DRAIN_BEFORE_END_S = 0.5
+"""After a malformed message, how long the client's further messages are read and dropped
+(until it half-closes) before the call ends with INVALID_ARGUMENT."""
+
+
+async def _discard(requests: AsyncIterator[bytes]) -> None:
+    async for _ in requests:
+        pass
 
 
 class MultiplexedStream:
@@ -39,9 +53,10 @@ class MultiplexedStream:
         self.active: dict[str, Relay] = {}
         self.half_closed = False
         self.shutting_down = False
+        self.fatal: RequestError | None = None  # what ends the whole call (a malformed message)
         self.log = log.bind(stream=self.stream_id)
 
-    async def run(self, requests: AsyncIterator[gspb.GenerateRequest]) -> AsyncIterator[gspb.GenerateResponse]:
+    async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[gspb.GenerateResponse]:
         """The responses of the call (the servicer yields them)."""
         streams = self.core.streams
         streams.add(self)
@@ -63,14 +78,31 @@ class MultiplexedStream:
             reader.cancel()
             for relay in list(self.active.values()):
                 relay.cancel()  # the call is over: abort what is left (their worker calls are cancelled)
+        if self.fatal is not None:
+            await self.context.abort(self.fatal.code, self.fatal.message)
         if self.shutting_down and not self.half_closed:
             await self.context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the server is shutting down; reconnect (to another instance) to go on"
             )
 
-    async def _read(self, requests: AsyncIterator[gspb.GenerateRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        limit = self.core.config.max_request_bytes
         try:
-            async for req in requests:
+            async for data in requests:
+                try:
+                    req = parse_request(data, gspb.GenerateRequest, MAX_RECEIVE_BYTES)
+                except RequestError as e:
+                    self._end_call(e, len(data))
+                    # read (and drop) what the client already sent, briefly: a client whose
+                    # write races with the call's status reports INTERNAL instead of the
+                    # status (grpc/grpc#36066)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(_discard(requests), DRAIN_BEFORE_END_S)
+                    self.outbox.close()
+                    return
+                if len(data) > limit:  # parsed only to answer the request it names
+                    self._too_large(req, len(data), limit)
+                    continue
                 action = req.WhichOneof("action")
                 if action == "start":
                     self.start(req.start)
@@ -91,6 +123,22 @@ class MultiplexedStream:
         self.half_closed = True
         self._maybe_close()
 
+    def _end_call(self, error: RequestError, size: int) -> None:
+        """A message without a request id to answer: abort the stream's requests, end the call."""
+        self.core.metrics.requests.labels(error.code.name.lower()).inc()
+        self.log.warning("malformed message; ending the call", bytes=size, error=error.message)
+        self.fatal = error
+        for relay in list(self.active.values()):
+            relay.cancel()
+
+    def _too_large(self, req: gspb.GenerateRequest, size: int, limit: int) -> None:
+        action = req.WhichOneof("action")
+        rid = req.start.request_id if action == "start" else req.cancel.request_id if action == "cancel" else ""
+        e = too_large(size, limit)
+        self.core.metrics.requests.labels(e.code.name.lower()).inc()
+        self.log.info("request too large", request_id=clip(rid), bytes=size, limit=limit)
+        self.outbox.put_final(rid, error_response(rid, e.code, e.message))
+
     def start(self, start: pb.StartGeneration) -> None:
         rid = start.request_id
         try:
@@ -103,7 +151,7 @@ class MultiplexedStream:
             if running is not None and not running.done:  # (a finished one may linger until its callback runs)
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request_id {rid!r} is already in flight on this stream; the new request was rejected "
+                    f"request_id {clip(rid)!r} is already in flight on this stream; the new request was rejected "
                     "(the running one goes on): pick a fresh id",
                 )
             if self.core.draining:
@@ -112,7 +160,15 @@ class MultiplexedStream:
                 )
             model = validate_start(self.core, start)
             if not self.core.admission.try_acquire():
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, self.core.admission.rejection())
+                admission = self.core.admission
+                self.core.metrics.requests.labels("resource_exhausted").inc()
+                self.outbox.put_final(
+                    rid,
+                    error_response(
+                        rid, grpc.StatusCode.RESOURCE_EXHAUSTED, admission.rejection(), admission.retry_after_ms
+                    ),
+                )
+                return
         except RequestError as e:
             self.core.metrics.requests.labels(e.code.name.lower()).inc()
             self.outbox.put_final(rid, error_response(rid, e.code, e.message))

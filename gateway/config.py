@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEFAULT_MAX_REQUEST_BYTES = (4 << 20) - (64 << 10)
+"""4 MiB (gRPC's default message limit, the workers' too) minus 64 KiB of headroom for what the
+gateway adds on the way to a worker (its request id, the model name)."""
+MAX_RECEIVE_BYTES = 64 << 20
+"""gRPC's own receive limit of the gateway: messages past it get gRPC's RESOURCE_EXHAUSTED before the
+gateway sees them. ``max_request_bytes`` must stay below it."""
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -22,9 +29,14 @@ class GatewayConfig:
     max_in_flight: int = 1024
     """Requests in flight gateway-wide; past it a new request gets RESOURCE_EXHAUSTED."""
     retry_after_ms: int = 250
-    """Retry hint sent with RESOURCE_EXHAUSTED (message and ``retry-after-ms`` trailing metadata)."""
-    max_buffered_tokens: int = 2048
-    """Tokens of one request queued for a reader that falls behind before it is cancelled (RESOURCE_EXHAUSTED)."""
+    """Retry hint sent with RESOURCE_EXHAUSTED (message, ``grpc-retry-pushback-ms``/``retry-after-ms`` trailing
+    metadata, a google.rpc.RetryInfo detail; ``RequestError.retry_after_ms`` on the Generate stream)."""
+    max_buffered_tokens: int = 1024
+    """Tokens of one request queued for a reader that falls behind before it is cancelled (RESOURCE_EXHAUSTED).
+    Below the embedded model's context (2048 tokens), so that a stalled reader's long request can trip it."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest client message accepted (bytes, serialized); larger ones get INVALID_ARGUMENT naming the
+    limit. Below the internal hop's 4 MiB so that this is the limit that bites, never the hop's."""
     load_poll_interval_s: float = 0.5
     """How often each worker's ``GetLoad`` is polled."""
     load_timeout_s: float = 2.0
@@ -49,6 +61,8 @@ class GatewayConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.max_buffered_tokens < 1:
             raise ValueError(f"max_buffered_tokens must be >= 1, got {self.max_buffered_tokens}")
+        if not 1 <= self.max_request_bytes <= MAX_RECEIVE_BYTES:
+            raise ValueError(f"max_request_bytes must be in [1, {MAX_RECEIVE_BYTES}], got {self.max_request_bytes}")
         if self.retry_after_ms < 0:
             raise ValueError(f"retry_after_ms must be >= 0, got {self.retry_after_ms}")
         if self.load_poll_interval_s <= 0 or self.load_timeout_s <= 0:

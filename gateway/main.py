@@ -41,6 +41,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=d.max_buffered_tokens,
         help="tokens of one request queued for a slow reader before it is cancelled with RESOURCE_EXHAUSTED",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=d.max_request_bytes,
+        help=f"largest client message accepted, in bytes (default {d.max_request_bytes}); larger: INVALID_ARGUMENT",
+    )
     p.add_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
     p.add_argument(
         "--api-keys-env",
@@ -76,6 +82,7 @@ def config_from_args(args: argparse.Namespace, workers: tuple[str, ...]) -> Gate
         max_in_flight=args.max_in_flight,
         retry_after_ms=args.retry_after_ms,
         max_buffered_tokens=args.max_buffered_tokens,
+        max_request_bytes=args.max_request_bytes,
         api_keys=load_api_keys(args.api_key_file, args.api_keys_env),
         internal_secret=read_secret_file(args.internal_secret_file) if args.internal_secret_file else "",
         tls_cert=args.tls_cert,

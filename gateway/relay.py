@@ -56,6 +56,19 @@ class Core:
         return next((w.model for w in self.router.workers if w.model), None)
 
 
+CLIP_CHARS = 64
+"""Client-supplied strings quoted in an error message are cut to this many characters."""
+MAX_DETAILS_CHARS = 1024
+"""A worker's error message is passed on cut to this length (it may quote the client's input)."""
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, "..." marking the cut: client input quoted in an
+    error message must never make it unbounded (gRPC sends the message as metadata, which
+    has its own, much smaller, limit)."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 class RequestError(Exception):
     """A request ends with this status code and message."""
 
@@ -65,10 +78,11 @@ class RequestError(Exception):
         self.message = message
 
 
-def error_response(request_id: str, code: grpc.StatusCode, message: str) -> gspb.GenerateResponse:
-    return gspb.GenerateResponse(
-        event=pb.GenerationEvent(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message))
-    )
+def error_response(
+    request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int = 0
+) -> gspb.GenerateResponse:
+    error = pb.RequestError(code=code.value[0], message=message, retry_after_ms=retry_after_ms)
+    return gspb.GenerateResponse(event=pb.GenerationEvent(request_id=request_id, error=error))
 
 
 class Relay:
@@ -94,6 +108,11 @@ class Relay:
         self.t0 = time.perf_counter()
         self.t_last = 0.0
         self.num_tokens = 0
+        # the prompt's size and the worker's queue time, for the ABORT event the gateway builds
+        # itself: known up front for token ids, else from the worker's first delta
+        self.prompt_tokens = len(start.prompt.token_ids.ids)
+        self.queue_ms = 0.0
+        self.t_first = 0.0
         self.worker: WorkerHandle | None = None
         self.final_status: str | None = None
         self._cancel: tuple[grpc.StatusCode, str] | None = None
@@ -213,8 +232,10 @@ class Relay:
         )
 
     def _on_worker_error(self, w: WorkerHandle, e: grpc.aio.AioRpcError) -> bool:
-        code, details = e.code(), e.details() or ""
+        code, details = e.code(), clip(e.details() or "", MAX_DETAILS_CHARS)
         S = grpc.StatusCode
+        if code in (S.INTERNAL, S.UNAVAILABLE):
+            self.core.metrics.engine_errors.labels(w.name).inc()
         if code == S.UNAVAILABLE:
             self.core.router.report_failure(w, f"Generate failed: {details}")
             if self.num_tokens == 0:
@@ -242,6 +263,10 @@ class Relay:
         now = time.perf_counter()
         m = self.core.metrics
         if self.num_tokens == 0:
+            self.t_first = now
+            if delta.prompt_tokens:
+                self.prompt_tokens = delta.prompt_tokens
+            self.queue_ms = delta.queue_ms
             m.time_to_first_token.observe(now - self.t0)
         else:
             gap = (now - self.t_last) / n
@@ -263,8 +288,20 @@ class Relay:
         self.outbox.put_final(self.request_id, error_response(self.request_id, code, message))
 
     def _emit_finished_abort(self) -> None:
+        """The final ABORT of a request the gateway ended: the usage and timings known so far
+        (prompt tokens and queue time as the worker reported them; time to first token and
+        total time on the gateway's clock, from the request's arrival there)."""
         self._final_status("abort")
-        finished = pb.Finished(finish_reason=pb.FINISH_REASON_ABORT, usage=pb.Usage(completion_tokens=self.num_tokens))
+        finished = pb.Finished(
+            finish_reason=pb.FINISH_REASON_ABORT,
+            usage=pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens),
+        )
+        t = finished.timings
+        t.queue_ms = self.queue_ms
+        if self.num_tokens:
+            t.time_to_first_token_ms = (self.t_first - self.t0) * 1000
+        t.total_ms = (time.perf_counter() - self.t0) * 1000
+        self.core.metrics.observe_finished(finished)
         self.outbox.put_final(
             self.request_id,
             gspb.GenerateResponse(event=pb.GenerationEvent(request_id=self.request_id, finished=finished)),

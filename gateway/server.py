@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from draftwise.gateway.admission import Admission
 from draftwise.gateway.auth import ApiKeyInterceptor
-from draftwise.gateway.config import GatewayConfig
+from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
+from draftwise.gateway.decode import DecodeInterceptor
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
@@ -30,9 +31,14 @@ log = structlog.get_logger("draftwise.gateway")
 
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the gateway checks max_request_bytes itself
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # calls that arrived while the event loop was busy wait for it rather than being dropped by
+    # gRPC with a bare CANCELLED (its default past 1,000 waiting): each then gets a real answer,
+    # RESOURCE_EXHAUSTED with the retry hint when over capacity
+    ("grpc.server.max_pending_requests", 1 << 20),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
 )
 
 
@@ -61,7 +67,9 @@ class Gateway:
             metrics=self.metrics,
             id_prefix=f"gw{uuid.uuid4().hex[:8]}",
         )
-        interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeInterceptor(self.metrics)]
+        if config.api_keys:
+            interceptors.append(ApiKeyInterceptor(config.api_keys))
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.port = 0
         self.metrics_port: int | None = None

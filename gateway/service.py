@@ -4,21 +4,30 @@
 The method handlers are registered by hand (not with the generated ``add_..._to_server``)
 so that the events a worker sends, parsed once as ``GenerateResponse``, go to the client
 as they are: ``GenerateResponse`` and ``GenerateStreamResponse`` are the same on the wire.
+Requests come in as raw bytes (no request deserializer) and are parsed by the handlers:
+a message that is too large or cannot be parsed is INVALID_ARGUMENT, logged and counted,
+instead of an exception inside gRPC.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
+import structlog
+from google.protobuf.message import Message
 
 from draftwise.gateway.bidi import MultiplexedStream
 from draftwise.gateway.relay import Core, Relay, RequestError
 from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
-from draftwise.gateway.validate import validate_start
+from draftwise.gateway.validate import parse_request, validate_start
 from draftwise.v1 import generate_service_pb2 as gspb
+
+log = structlog.get_logger("draftwise.gateway.service")
+M = TypeVar("M", bound=Message)
 
 SERVICE_NAME = "draftwise.v1.GenerateService"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -31,19 +40,30 @@ def _serialize(message: gspb.GenerateResponse) -> bytes:
 class GenerateServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self._refused = core.metrics.requests.labels("resource_exhausted")
 
     async def Generate(  # noqa: N802 (gRPC method name)
-        self, requests: AsyncIterator[gspb.GenerateRequest], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gspb.GenerateResponse]:
         async for resp in MultiplexedStream(self.core, context).run(requests):
             yield resp
 
+    async def _parse(self, data: bytes, message_type: type[M], context: grpc.aio.ServicerContext, method: str) -> M:
+        """``data`` parsed; a bad message ends the call with INVALID_ARGUMENT (logged, counted)."""
+        try:
+            return parse_request(data, message_type, self.core.config.max_request_bytes)
+        except RequestError as e:
+            self.core.metrics.requests.labels(e.code.name.lower()).inc()
+            log.warning("bad message", method=method, bytes=len(data), error=e.message)
+            await context.abort(e.code, e.message)
+            raise  # (abort raises)
+
     async def GenerateStream(  # noqa: N802
-        self, request: gspb.GenerateStreamRequest, context: grpc.aio.ServicerContext
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gspb.GenerateResponse]:
         core = self.core
+        request = await self._parse(data, gspb.GenerateStreamRequest, context, "GenerateStream")
         start = request.start
-        rid = start.request_id or f"req-{uuid.uuid4().hex[:16]}"
         try:
             if core.draining:
                 raise RequestError(
@@ -53,13 +73,14 @@ class GenerateServicer:
         except RequestError as e:
             core.metrics.requests.labels(e.code.name.lower()).inc()
             await context.abort(e.code, e.message)
-        if not core.admission.try_acquire():
-            core.metrics.requests.labels("resource_exhausted").inc()
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                core.admission.rejection(),
-                trailing_metadata=core.admission.trailing_metadata(),
-            )
+        admission = core.admission
+        if not admission.try_acquire():  # the cheapest way out: no exception, nothing built per call
+            self._refused.inc()
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(admission.rejection())
+            context.set_trailing_metadata(admission.trailing_metadata())
+            return
+        rid = start.request_id or f"req-{uuid.uuid4().hex[:16]}"
         outbox = Outbox(core.config.max_buffered_tokens)
         relay = Relay(core, rid, start, model, outbox, context.time_remaining())
         relay.start()
@@ -79,8 +100,9 @@ class GenerateServicer:
             relay.cancel()  # no-op once it ended; else the call went away: abort the request
 
     async def ListModels(  # noqa: N802
-        self, request: gspb.ListModelsRequest, context: grpc.aio.ServicerContext
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> gspb.ListModelsResponse:
+        await self._parse(data, gspb.ListModelsRequest, context, "ListModels")
         infos = self.core.router.model_infos()
         if not infos:
             await context.abort(
@@ -110,18 +132,9 @@ def _model_info(name: str, w: WorkerHandle) -> gspb.ModelInfo:
 
 def add_generate_service(servicer: GenerateServicer, server: grpc.aio.Server) -> None:
     handlers = {
-        "Generate": grpc.stream_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=gspb.GenerateRequest.FromString, response_serializer=_serialize
-        ),
-        "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            servicer.GenerateStream,
-            request_deserializer=gspb.GenerateStreamRequest.FromString,
-            response_serializer=_serialize,
-        ),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels,
-            request_deserializer=gspb.ListModelsRequest.FromString,
-            response_serializer=_serialize,
-        ),
+        # no request_deserializer: the handlers get bytes and parse them (see _parse)
+        "Generate": grpc.stream_stream_rpc_method_handler(servicer.Generate, response_serializer=_serialize),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(servicer.GenerateStream, response_serializer=_serialize),
+        "ListModels": grpc.unary_unary_rpc_method_handler(servicer.ListModels, response_serializer=_serialize),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -3,10 +3,41 @@ parameters, prompt length in tokens, ...)."""
 
 from __future__ import annotations
 
-import grpc
+from typing import TypeVar
 
-from draftwise.gateway.relay import Core, RequestError
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from draftwise.gateway.relay import Core, RequestError, clip
 from draftwise.v1 import generation_pb2 as pb
+
+M = TypeVar("M", bound=Message)
+
+
+def too_large(size: int, max_bytes: int) -> RequestError:
+    """The INVALID_ARGUMENT of a ``size``-byte message over the ``max_bytes`` limit."""
+    return RequestError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request is {size} bytes; this server accepts at most {max_bytes} bytes per message "
+        "(--max-request-bytes): send a shorter prompt (or fewer stop strings)",
+    )
+
+
+def parse_request(data: bytes, message_type: type[M], max_bytes: int) -> M:
+    """``data`` (a client message as it came off the wire) parsed as ``message_type``;
+    RequestError(INVALID_ARGUMENT) when it is larger than ``max_bytes`` or cannot be parsed.
+    The handlers get raw bytes and call this, so that a bad message is an answer, not a
+    deserializer exception that gRPC swallows."""
+    if len(data) > max_bytes:
+        raise too_large(len(data), max_bytes)
+    try:
+        return message_type.FromString(data)
+    except DecodeError as e:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"malformed message: {len(data)} bytes that do not parse as {message_type.DESCRIPTOR.full_name} "
+            f"({clip(str(e))})",
+        ) from None
 
 
 def validate_start(core: Core, start: pb.StartGeneration) -> str:
@@ -22,7 +53,8 @@ def validate_start(core: Core, start: pb.StartGeneration) -> str:
     if model not in models:
         served = ", ".join(repr(m) for m in sorted(models)) or "none yet"
         raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"unknown model {model!r}; this server serves: {served} (see ListModels)"
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"unknown model {clip(model)!r}; this server serves: {served} (see ListModels)",
         )
     kind = start.prompt.WhichOneof("kind")
     if kind is None:

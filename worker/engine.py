@@ -837,6 +837,12 @@ class LLMEngine:
             finish_reason=None if req.finish_reason is None else req.finish_reason.value,
             stop_reason=req.stop_reason,
             spec=SpecStats.of(req),
+            num_prompt_tokens=req.num_prompt_tokens if first == 0 else None,
+            queue_time=(
+                req.first_scheduled_time - req.arrival_time
+                if first == 0 and req.first_scheduled_time is not None
+                else None
+            ),
         )
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:

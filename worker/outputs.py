@@ -148,6 +148,8 @@ class RequestDelta:
     final: RequestOutput | None = None  # on the finishing delta: the whole output, with usage and timings
     spec: SpecStats | None = None  # the request's speculation counters so far; None when it does not speculate
     error: str | None = None  # on a final delta with finish_reason "error": what went wrong, for the caller
+    num_prompt_tokens: int | None = None  # on a request's first delta (first_token_index 0): its prompt's length
+    queue_time: float | None = None  # on the first delta: seconds from arrival to first scheduled
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ def responses_from_delta(d: RequestDelta) -> list[wpb.WorkerServiceGenerateRespo
             delta.logprobs.extend(_logprob(lp) for lp in d.logprobs)
         if d.spec is not None:
             fill_speculation_stats(delta.speculation, d.spec)
+        if d.first_token_index == 0:
+            fill_first_delta(delta, d)
         out.append(resp)
     if d.finished:
         resp = wpb.WorkerServiceGenerateResponse()
@@ -89,6 +91,17 @@ def responses_from_delta(d: RequestDelta) -> list[wpb.WorkerServiceGenerateRespo
         resp.event.finished.CopyFrom(finished_from_delta(d))
         out.append(resp)
     return out
+
+
+def fill_first_delta(msg: pb.TokenDelta, d: RequestDelta) -> None:
+    """The prompt token count and queue time on a request's first delta, so that the gateway
+    can report them in the final ABORT event of a request it cancels (it never sees the
+    worker's own final event then), from the engine's RequestDelta fields
+    ``num_prompt_tokens`` and ``queue_time`` (seconds), set on the first delta only."""
+    if d.num_prompt_tokens:
+        msg.prompt_tokens = d.num_prompt_tokens
+    if d.queue_time is not None:
+        msg.queue_ms = d.queue_time * 1000
 
 
 def fill_speculation_stats(msg: pb.SpeculationStats, spec: SpecStats) -> None:

@@ -16,11 +16,15 @@ without torch.
             print((await a.complete()).text, (await b.complete()).text)
 
 Errors raise :class:`GenerationError` carrying the gRPC status code and the server's message.
+A request refused before its first token (RESOURCE_EXHAUSTED, UNAVAILABLE) is retried with
+exponential backoff and jitter, honouring the server's retry hint (:class:`RetryPolicy`;
+``retry=None`` turns that off); never once a token arrived.
 """
 
 from __future__ import annotations
 
 from draftwise_client._aio import AsyncClient, RequestStream, Session
+from draftwise_client._retry import RetryPolicy
 from draftwise_client._sync import Client
 from draftwise_client._types import (
     Completion,
@@ -43,6 +47,7 @@ __all__ = [
     "GenerationError",
     "ModelInfo",
     "RequestStream",
+    "RetryPolicy",
     "SamplingParams",
     "Session",
     "TokenLogprob",

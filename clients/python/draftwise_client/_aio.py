@@ -23,6 +23,7 @@ from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, h
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
 from draftwise_client._proto import generation_pb2 as pb
+from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
 from draftwise_client._types import (
     Collector,
     Completion,
@@ -46,8 +47,12 @@ class AsyncClient:
         tls: bool = False,
         root_certificates: bytes | None = None,
         options: Sequence[tuple[str, int | str]] = (),
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
+        """``retry``: how requests refused before their first token (RESOURCE_EXHAUSTED,
+        UNAVAILABLE) are retried; None or ``RetryPolicy.off()``: never."""
         self.connection = Connection(target, api_key, tls, root_certificates, tuple(options))
+        self.retry = retry or RetryPolicy.off()
         creds = self.connection.credentials
         if creds is None:
             self.channel = grpc.aio.insecure_channel(target, options=list(options))
@@ -100,17 +105,32 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream one request's deltas (the last has ``finish_reason``). Raises GenerationError.
-        Leaving the loop early cancels the request on the server."""
+        Leaving the loop early cancels the request on the server. A refusal before the first
+        delta is retried as the client's RetryPolicy says, within ``timeout`` (which covers
+        every attempt)."""
         req = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
-        call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=timeout)
-        try:
-            async for resp in call:
-                yield delta_from_event(resp.event)
-        except grpc.aio.AioRpcError as e:
-            raise GenerationError.from_rpc(e, request_id) from None
-        finally:
-            if not call.done():
-                call.cancel()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=remaining)
+            received = False
+            try:
+                async for resp in call:
+                    received = True
+                    yield delta_from_event(resp.event)
+                return
+            except grpc.aio.AioRpcError as e:
+                error = GenerationError.from_rpc(e, request_id)
+                error.attempts = attempt
+                delay = retry_delay(self.retry, error, attempt, received, deadline)
+                if delay is None:
+                    raise error from None
+            finally:
+                if not call.done():
+                    call.cancel()
+            await asyncio.sleep(delay)
 
     async def complete(
         self,
@@ -134,11 +154,16 @@ class AsyncClient:
 class RequestStream:
     """The deltas of one request of a :class:`Session` (an async iterator)."""
 
-    def __init__(self, session: Session, request_id: str) -> None:
+    def __init__(self, session: Session, request_id: str, start: pb.StartGeneration) -> None:
         self.session = session
         self.request_id = request_id
+        self._start = start
         self._queue: asyncio.Queue[pb.GenerationEvent | GenerationError] = asyncio.Queue()
         self._done = False
+        self._received = False  # a delta arrived: never retried from then on
+        self._cancelled = False
+        self.attempts = 1
+        """Times the request was sent (retries after a refusal included)."""
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -146,19 +171,30 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, GenerationError):
-            self._done = True
-            raise item
-        if item.WhichOneof("kind") == "error":
-            self._done = True
-            raise GenerationError.from_event(item.request_id, item.error)
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, GenerationError):
+                self._done = True
+                raise item
+            if item.WhichOneof("kind") != "error":
+                break
+            error = GenerationError.from_event(item.request_id, item.error)
+            error.attempts = self.attempts
+            delay = None if self._cancelled else retry_delay(self.session.retry, error, self.attempts, self._received)
+            if delay is None:
+                self._done = True
+                raise error
+            await asyncio.sleep(delay)  # refused before its first token: send it again
+            self.attempts += 1
+            await self.session._send_start(self)
         delta = delta_from_event(item)
+        self._received = True
         self._done = delta.finished
         return delta
 
     async def cancel(self) -> None:
         """Ask the server to stop this request; its last delta then says "abort"."""
+        self._cancelled = True
         await self.session._write(gspb.GenerateRequest(cancel=pb.CancelGeneration(request_id=self.request_id)))
 
     async def complete(self) -> Completion:
@@ -181,6 +217,7 @@ class Session:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._write_lock = asyncio.Lock()
+        self.retry = client.retry
 
     async def __aenter__(self) -> Session:
         self._call = self.client._stub.Generate(metadata=self.client.connection.metadata, timeout=self._timeout)
@@ -215,10 +252,13 @@ class Session:
     ) -> RequestStream:
         """Start a request on the stream; iterate the returned RequestStream for its deltas."""
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
-        stream = RequestStream(self, rid)
-        self._requests[rid] = stream
-        await self._write(gspb.GenerateRequest(start=start_message(prompt, params, model, rid)))
+        stream = RequestStream(self, rid, start_message(prompt, params, model, rid))
+        await self._send_start(stream)
         return stream
+
+    async def _send_start(self, stream: RequestStream) -> None:
+        self._requests[stream.request_id] = stream
+        await self._write(gspb.GenerateRequest(start=stream._start))
 
     async def _read(self) -> None:
         assert self._call is not None

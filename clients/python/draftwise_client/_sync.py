@@ -15,6 +15,7 @@ import grpc
 from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
+from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
 from draftwise_client._types import (
     Collector,
     Completion,
@@ -38,8 +39,12 @@ class Client:
         tls: bool = False,
         root_certificates: bytes | None = None,
         options: Sequence[tuple[str, int | str]] = (),
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
+        """``retry``: how requests refused before their first token (RESOURCE_EXHAUSTED,
+        UNAVAILABLE) are retried; None or ``RetryPolicy.off()``: never."""
         self.connection = Connection(target, api_key, tls, root_certificates, tuple(options))
+        self.retry = retry or RetryPolicy.off()
         creds = self.connection.credentials
         if creds is None:
             self.channel = grpc.insecure_channel(target, options=list(options))
@@ -89,16 +94,31 @@ class Client:
         timeout: float | None = None,
     ) -> Iterator[Delta]:
         """Stream one request's deltas (the last has ``finish_reason``). Raises GenerationError.
-        Leaving the loop early cancels the request on the server."""
+        Leaving the loop early cancels the request on the server. A refusal before the first
+        delta is retried as the client's RetryPolicy says, within ``timeout`` (which covers
+        every attempt)."""
         req = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
-        call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=timeout)
-        try:
-            for resp in call:
-                yield delta_from_event(resp.event)
-        except grpc.RpcError as e:
-            raise GenerationError.from_rpc(e, request_id) from None
-        finally:
-            call.cancel()  # no-op once the call ended
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=remaining)
+            received = False
+            try:
+                for resp in call:
+                    received = True
+                    yield delta_from_event(resp.event)
+                return
+            except grpc.RpcError as e:
+                error = GenerationError.from_rpc(e, request_id)
+                error.attempts = attempt
+                delay = retry_delay(self.retry, error, attempt, received, deadline)
+                if delay is None:
+                    raise error from None
+            finally:
+                call.cancel()  # no-op once the call ended
+            time.sleep(delay)
 
     def complete(
         self,

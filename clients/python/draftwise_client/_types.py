@@ -10,9 +10,7 @@ import grpc
 
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
-
-RETRY_AFTER_KEY = "retry-after-ms"
-"""Trailing metadata of RESOURCE_EXHAUSTED answers: when to retry, in milliseconds."""
+from draftwise_client._retry import hint_from_metadata
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -156,7 +154,9 @@ class ModelInfo:
 
 class GenerationError(Exception):
     """A request failed: ``code`` is the gRPC status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
-    UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...), ``message`` says what to do."""
+    UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...), ``message`` says what to do,
+    ``retry_after_ms`` is the server's retry hint (None without one). ``attempts`` counts
+    the tries made, retries included."""
 
     def __init__(
         self, code: grpc.StatusCode, message: str, request_id: str = "", retry_after_ms: int | None = None
@@ -166,21 +166,20 @@ class GenerationError(Exception):
         self.message = message
         self.request_id = request_id
         self.retry_after_ms = retry_after_ms
+        self.attempts = 1
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError, request_id: str = "") -> GenerationError:
-        retry = None
         trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-        for key, value in trailing or ():
-            if key == RETRY_AFTER_KEY:
-                retry = int(value)
-        return cls(e.code(), e.details() or "", request_id, retry)
+        return cls(e.code(), e.details() or "", request_id, hint_from_metadata(trailing))
 
     @classmethod
     def from_event(cls, request_id: str, err: pb.RequestError) -> GenerationError:
         code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
         retry = None
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after " in err.message:
+        if err.retry_after_ms:
+            retry = err.retry_after_ms
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after " in err.message:
             tail = err.message.split("retry after ", 1)[1].split(" ", 1)[0]
             retry = int(tail) if tail.isdigit() else None
         return cls(code, err.message, request_id, retry)

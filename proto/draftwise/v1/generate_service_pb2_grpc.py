@@ -27,7 +27,13 @@ if _version_not_supported:
 
 class GenerateServiceStub:
     """Text generation. Errors that concern the call itself (UNAUTHENTICATED, a malformed
-    stream) end the call with that status code.
+    stream) end the call with that status code. A message that cannot be parsed ends its
+    call with INVALID_ARGUMENT (on Generate it has no request id to answer, so the whole
+    call ends); a message larger than the server's request limit (--max-request-bytes) is
+    INVALID_ARGUMENT naming the limit. RESOURCE_EXHAUSTED from admission control carries
+    the retry hint as trailing metadata `grpc-retry-pushback-ms` (and `retry-after-ms`) and
+    as a google.rpc.RetryInfo detail in `grpc-status-details-bin`; on Generate, as
+    RequestError.retry_after_ms.
     """
 
     def __init__(self, channel):
@@ -55,7 +61,13 @@ class GenerateServiceStub:
 
 class GenerateServiceServicer:
     """Text generation. Errors that concern the call itself (UNAUTHENTICATED, a malformed
-    stream) end the call with that status code.
+    stream) end the call with that status code. A message that cannot be parsed ends its
+    call with INVALID_ARGUMENT (on Generate it has no request id to answer, so the whole
+    call ends); a message larger than the server's request limit (--max-request-bytes) is
+    INVALID_ARGUMENT naming the limit. RESOURCE_EXHAUSTED from admission control carries
+    the retry hint as trailing metadata `grpc-retry-pushback-ms` (and `retry-after-ms`) and
+    as a google.rpc.RetryInfo detail in `grpc-status-details-bin`; on Generate, as
+    RequestError.retry_after_ms.
     """
 
     def Generate(self, request_iterator, context):
@@ -116,7 +128,13 @@ def add_GenerateServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class GenerateService:
     """Text generation. Errors that concern the call itself (UNAUTHENTICATED, a malformed
-    stream) end the call with that status code.
+    stream) end the call with that status code. A message that cannot be parsed ends its
+    call with INVALID_ARGUMENT (on Generate it has no request id to answer, so the whole
+    call ends); a message larger than the server's request limit (--max-request-bytes) is
+    INVALID_ARGUMENT naming the limit. RESOURCE_EXHAUSTED from admission control carries
+    the retry hint as trailing metadata `grpc-retry-pushback-ms` (and `retry-after-ms`) and
+    as a google.rpc.RetryInfo detail in `grpc-status-details-bin`; on Generate, as
+    RequestError.retry_after_ms.
     """
 
     @staticmethod

@@ -131,18 +131,22 @@ class SpeculationStats(_message.Message):
     def __init__(self, proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., verify_steps: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("token_ids", "text", "first_token_index", "logprobs", "speculation")
+    __slots__ = ("token_ids", "text", "first_token_index", "logprobs", "speculation", "prompt_tokens", "queue_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     first_token_index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     speculation: SpeculationStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., first_token_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+    prompt_tokens: int
+    queue_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., first_token_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "speculative_proposed_tokens", "speculative_accepted_tokens")
@@ -181,12 +185,14 @@ class Finished(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "retry_after_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class GenerationEvent(_message.Message):
     __slots__ = ("request_id", "delta", "finished", "error")
