@@ -24,7 +24,15 @@ from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from tests.integration.procs import MAX_MODEL_LEN
 from tests.integration.rpc import Result, cancel_req, start, start_req, worker_loads
-from tests.reliability.conftest import Stack, Stopwatch, assert_survived, format_table, status_name
+from tests.reliability.conftest import (
+    RST_STREAM,
+    Stack,
+    Stopwatch,
+    assert_survived,
+    call_status,
+    format_table,
+    status_name,
+)
 
 SEED = 4242
 N_REQUESTS = 1000
@@ -41,7 +49,7 @@ ALLOWED = {
     "cancel_delay": {ABORT, OK},
     "cancel_after_tokens": {ABORT, OK},
     "cancel_after_final": {OK},
-    "deadline": {DE, OK},
+    "deadline": {DE, OK, RST_STREAM},
     "disconnect_call": {CANCELLED, OK},
     "disconnect_stream": {CANCELLED, OK},
     "disconnect_channel": {CANCELLED, OK},
@@ -213,7 +221,7 @@ async def run_bidi(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
             if all(x.final is not None for x in results.values()):
                 all_final.set()
     except grpc.aio.AioRpcError as e:
-        status = e.code().name
+        status = call_status(e)
     except asyncio.CancelledError:  # call.cancel() from this task ends the iteration this way on some versions
         status = CANCELLED
     if closer.done() and not closer.cancelled() and closer.exception() is not None:
@@ -266,7 +274,7 @@ async def run_single(ch: grpc.aio.Channel, unit: Unit) -> list[tuple[str, str]]:
                 got = ABORT if resp.event.finished.finish_reason == pb.FINISH_REASON_ABORT else OK
                 USAGE[usage_note(resp.event.finished, r.start)] += 1
     except grpc.aio.AioRpcError as e:
-        got = e.code().name
+        got = call_status(e)
     except asyncio.CancelledError:
         got = CANCELLED
     if timer is not None:

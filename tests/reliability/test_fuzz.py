@@ -28,9 +28,11 @@ from draftwise.v1 import generation_pb2 as pb
 from tests.integration.procs import MAX_MODEL_LEN, ROOT
 from tests.integration.prompts import BASES
 from tests.reliability.conftest import (
+    RST_STREAM,
     Stack,
     Stopwatch,
     assert_survived,
+    call_status,
     field_bytes,
     field_varint,
     format_table,
@@ -310,12 +312,14 @@ def build_calls(rng: random.Random) -> list[Call]:
     for _ in range(30):  # huge: runs to the context length, cut short by a deadline
         n = rng.choice([MAX_MODEL_LEN, 10**6, 2**32 - 1])
         wire = start_msg("", short_prompt(rng), {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
-        streams.append(Call("stream", rng.choice(gws), [Msg("max_tokens_huge", wire, allow(OK, DE))], timeout=0.3))
+        streams.append(
+            Call("stream", rng.choice(gws), [Msg("max_tokens_huge", wire, allow(OK, DE, RST_STREAM))], timeout=0.3)
+        )
     for _ in range(30):
         params = pb.SamplingParams(temperature=0.0, ignore_eos=True).SerializeToString()
         params += field_varint(5, -rng.randint(1, 2**40))
         prompt = pb.Prompt(text=rng.choice(BASES)).SerializeToString()
-        msg = Msg("max_tokens_negative", raw_start("", prompt, params), allow(OK, DE, IA))
+        msg = Msg("max_tokens_negative", raw_start("", prompt, params), allow(OK, DE, IA, RST_STREAM))
         streams.append(Call("stream", rng.choice(gws), [msg], timeout=0.3))
     for t in [math.nan, math.inf, -math.inf, -1e-9, -1.0, -1e308] * 7:
         add("temperature_bad", lambda r, t=t: start_msg(r, short_prompt(rng), {"temperature": t}), allow(IA))
@@ -348,11 +352,15 @@ def build_calls(rng: random.Random) -> list[Call]:
         )
     for _ in range(120):
         wire = start_msg("", short_prompt(rng), {"max_tokens": 8, "temperature": 0.0})
-        streams.append(Call("stream", rng.choice(gws), [Msg("deadline_1ms", wire, allow(DE))], timeout=0.001))
+        streams.append(
+            Call("stream", rng.choice(gws), [Msg("deadline_1ms", wire, allow(DE, RST_STREAM))], timeout=0.001)
+        )
     for _ in range(150):  # the add of such a request races its cancellation on the worker (defect 2)
         wire = start_msg("", short_prompt(rng), {"max_tokens": 16, "temperature": rng.choice([0.0, 1.0])})
         timeout = rng.uniform(0.002, 0.05)
-        streams.append(Call("stream", rng.choice(gws), [Msg("deadline_short", wire, allow(OK, DE))], timeout=timeout))
+        streams.append(
+            Call("stream", rng.choice(gws), [Msg("deadline_short", wire, allow(OK, DE, RST_STREAM))], timeout=timeout)
+        )
     calls.extend(streams)
 
     # multiplexed-stream-only cases, mixed into the batches of the cases above
@@ -425,12 +433,19 @@ def build_calls(rng: random.Random) -> list[Call]:
             Msg(
                 "deadline_1ms_stream_request",
                 start_msg("a", short_prompt(rng), SMALL),
-                allow(OK, DE, f"CALL_{DE}"),
+                allow(OK, DE, f"CALL_{DE}", f"CALL_{RST_STREAM}"),
                 "a",
             )
         ]
         calls.append(
-            Call("bidi", rng.choice(gws), msgs, timeout=0.001, kind="deadline_1ms_stream", allowed=allow(DE, OK))
+            Call(
+                "bidi",
+                rng.choice(gws),
+                msgs,
+                timeout=0.001,
+                kind="deadline_1ms_stream",
+                allowed=allow(DE, OK, RST_STREAM),
+            )
         )
 
     # undecodable bytes: random, invalid UTF-8 in a string field, truncated messages (defect 5)
@@ -495,7 +510,7 @@ def outcome_of(event: pb.GenerationEvent) -> str:
 
 def error_outcome(e: grpc.aio.AioRpcError) -> str:
     details = e.details() or ""
-    return e.code().name + (LONG if len(details) > MAX_ERROR_MESSAGE else "")
+    return call_status(e) + (LONG if len(details) > MAX_ERROR_MESSAGE else "")
 
 
 Result = tuple[str, str, str]
