@@ -58,10 +58,21 @@ def test_cancel_while_the_add_is_queued(aengine):
     set_result then raised InvalidStateError and the loop died."""
 
     async def main():
-        gate = threading.Event()
-        blocker = aengine._call(lambda: gate.wait(5))  # holds the engine thread between steps
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            gate.wait(10)
+
+        blocker = aengine._call(hold)  # holds the engine thread between steps
+        await asyncio.to_thread(holding.wait, 10)
         task = asyncio.create_task(_collect(aengine, "queued", "def f(x):", LONG))
-        await asyncio.sleep(0.05)  # the add is queued behind the blocker
+        for _ in range(1000):  # until the add is queued behind the blocker
+            if aengine._commands.qsize() >= 1:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError("the add was never queued")
         task.cancel()
         gate.set()
         await asyncio.wrap_future(blocker)
@@ -81,24 +92,31 @@ def test_cancel_right_after_the_add_ran_aborts_the_request(aengine):
     rather than left running with nobody to read it."""
 
     async def main():
-        gate = threading.Event()
-        added = threading.Event()
+        first, second, holding = threading.Event(), threading.Event(), threading.Event()
 
         def hold() -> None:
-            added.wait(5)
-            gate.wait(5)
+            holding.set()
+            first.wait(10)
 
+        blocker = aengine._call(hold)  # holds the engine thread between steps
+        await asyncio.to_thread(holding.wait, 10)
         task = asyncio.create_task(_collect(aengine, "ran", "def f(x):", LONG))
-        await asyncio.sleep(0.05)
-        blocker = aengine._call(hold)  # queued behind the add: the add runs, then the thread waits
-        for _ in range(200):
+        for _ in range(1000):  # until the add is queued behind the blocker
+            if aengine._commands.qsize() >= 1:
+                break
+            await asyncio.sleep(0.005)
+        holder = aengine._call(lambda: second.wait(10))  # right behind the add: no step between them
+        first.set()
+        for _ in range(1000):
             if await asyncio.to_thread(lambda: "ran" in aengine.engine.requests):
                 break
             await asyncio.sleep(0.005)
-        added.set()
-        task.cancel()
-        gate.set()
+        else:
+            raise AssertionError("the add never ran")
+        task.cancel()  # the add ran; its caller goes away before (or just as) it hears back
+        second.set()
         await asyncio.wrap_future(blocker)
+        await asyncio.wrap_future(holder)
         with pytest.raises(asyncio.CancelledError):
             await task
         await _idle(aengine)
