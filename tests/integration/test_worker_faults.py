@@ -39,8 +39,11 @@ def fault_workers(proc_dir):
         p.stop()
 
 
-async def _generate(stub, s, timeout: float | None = 120.0) -> tuple[grpc.StatusCode, list[int], str]:
-    """Run one worker Generate call: (status, output token ids, details)."""
+async def _generate(
+    stub, s, timeout: float | None = 120.0, times: list[float] | None = None
+) -> tuple[grpc.StatusCode, list[int], str]:
+    """Run one worker Generate call: (status, output token ids, details); ``times`` gets the
+    arrival time of each delta."""
     toks: list[int] = []
     call = stub.Generate(
         wpb.WorkerServiceGenerateRequest(start=s),
@@ -52,6 +55,8 @@ async def _generate(stub, s, timeout: float | None = 120.0) -> tuple[grpc.Status
             if resp.event.WhichOneof("kind") == "delta":
                 assert resp.event.delta.first_token_index == len(toks)
                 toks.extend(resp.event.delta.token_ids)
+                if times is not None:
+                    times.append(time.perf_counter())
     except grpc.aio.AioRpcError as e:
         return e.code(), toks, e.details() or ""
     return grpc.StatusCode.OK, toks, ""
@@ -127,18 +132,22 @@ def test_a_multi_megabyte_prompt_is_refused_without_stalling_the_worker(fault_wo
     async def main():
         async with grpc.aio.insecure_channel(w.address) as ch:
             stub = wgrpc.WorkerServiceStub(ch)
-            long = asyncio.create_task(_generate(stub, start("long", "def f(x):", **LONG)))
+            times: list[float] = []
+            long = asyncio.create_task(_generate(stub, start("long", "def f(x):", **LONG), times=times))
             await asyncio.sleep(0.3)
             t0 = time.perf_counter()
             huge = await _generate(stub, start("huge", "x = 1\n" * 650_000, max_tokens=4))
-            refused_s = time.perf_counter() - t0
-            return huge, await long, refused_s
+            t1 = time.perf_counter()
+            result = await long
+            around = [t for t in times if t0 - 0.5 <= t <= t1 + 0.5]
+            gap = max((b - a for a, b in zip(around, around[1:], strict=False)), default=0.0)
+            return huge, result, t1 - t0, gap
 
-    huge, long, refused_s = asyncio.run(main())
+    huge, long, refused_s, gap = asyncio.run(main())
     code, _, details = huge
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in details, huge
     assert len(details) < 400  # the message says how big, it does not echo the prompt
     assert long[0] == grpc.StatusCode.OK and len(long[1]) == LONG["max_tokens"]
-    print(f"3.9 MB prompt refused after {refused_s:.3f} s")
+    print(f"3.9 MB prompt refused after {refused_s:.3f} s; longest gap between the other stream's deltas {gap:.3f} s")
     assert _alive(w)
     asyncio.run(wait_workers_idle([w.address], timeout=5))
