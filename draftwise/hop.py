@@ -21,6 +21,8 @@ from typing import Any
 import grpc
 import structlog
 
+from draftwise.wire import handler_like
+
 log = structlog.get_logger("draftwise.hop")
 
 SECRET_METADATA_KEY = "draftwise-internal-secret"
@@ -78,14 +80,7 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    return handler_like(handler, abort, handler.request_deserializer)
 
 
 class InternalSecretInterceptor(grpc.aio.ServerInterceptor):

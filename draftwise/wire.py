@@ -1,10 +1,16 @@
-"""gRPC metadata keys the gateway and the workers share (no torch here: the gateway imports it).
+"""What the gateway and the workers share on the wire (no torch here: the gateway imports it):
+gRPC metadata keys, and a helper for the server interceptors of both.
 
-A worker answers ``GetLoad`` with these as trailing metadata; the gateway's router reads them
-and ``ListModels`` reports them.
+A worker answers ``GetLoad`` with the keys as trailing metadata; the gateway's router reads
+them and ``ListModels`` reports them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
 
 MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
 """The worker's context length (prompt + output tokens of one request)."""
@@ -14,3 +20,21 @@ DRAFT_MODEL_KEY = "draftwise-draft-model"
 """The draft model's name, with speculative method "draft"."""
 SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"
 """The most tokens drafted per request per step."""
+
+
+def handler_like(
+    handler: grpc.RpcMethodHandler,
+    behaviour: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A method handler of ``handler``'s kind (request and response streaming or not) that
+    runs ``behaviour`` with ``handler``'s response serializer: what a server interceptor
+    returns to refuse a call or to wrap its handler."""
+    kwargs = {"request_deserializer": request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)

@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from draftwise.wire import handler_like
+
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 """Methods served without a key."""
 
@@ -60,14 +62,7 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
                 await asyncio.wait_for(drain(request), DRAIN_BEFORE_DENY_S)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    return handler_like(handler, abort, handler.request_deserializer)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

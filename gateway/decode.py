@@ -18,6 +18,7 @@ import structlog
 
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.relay import clip
+from draftwise.wire import handler_like
 
 log = structlog.get_logger("draftwise.gateway.decode")
 
@@ -80,11 +81,4 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
             async def behaviour(raw: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
                 return await inner(await request_of(raw, context), context)
 
-        kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
-        return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)
+        return handler_like(handler, behaviour)  # no deserializer: the bytes are parsed above
