@@ -25,29 +25,31 @@ _sym_db = _symbol_database.Default()
 from draftwise.v1 import generation_pb2 as draftwise_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#draftwise/v1/generate_service.proto\x12\x0c\x64raftwise.v1\x1a\x1d\x64raftwise/v1/generation.proto\"}\n\x0fGenerateRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGenerationH\x00\x12\x30\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1e.draftwise.v1.CancelGenerationH\x00\x42\x08\n\x06\x61\x63tion\"@\n\x10GenerateResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"E\n\x15GenerateStreamRequest\x12,\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGeneration\"F\n\x16GenerateStreamResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"\x13\n\x11ListModelsRequest\"\xb5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x11\n\thas_draft\x18\x03 \x01(\x08\x12;\n\x12speculative_method\x18\x04 \x01(\x0e\x32\x1f.draftwise.v1.SpeculativeMethod\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\"T\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.draftwise.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t*y\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\"\n\x1eSPECULATIVE_METHOD_DRAFT_MODEL\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x02\x32\x90\x02\n\x0fGenerateService\x12M\n\x08Generate\x12\x1d.draftwise.v1.GenerateRequest\x1a\x1e.draftwise.v1.GenerateResponse(\x01\x30\x01\x12]\n\x0eGenerateStream\x12#.draftwise.v1.GenerateStreamRequest\x1a$.draftwise.v1.GenerateStreamResponse0\x01\x12O\n\nListModels\x12\x1f.draftwise.v1.ListModelsRequest\x1a .draftwise.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#draftwise/v1/generate_service.proto\x12\x0c\x64raftwise.v1\x1a\x1d\x64raftwise/v1/generation.proto\"\xaf\x01\n\x0fGenerateRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGenerationH\x00\x12\x30\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1e.draftwise.v1.CancelGenerationH\x00\x12\x30\n\x06resume\x18\x03 \x01(\x0b\x32\x1e.draftwise.v1.ResumeGenerationH\x00\x42\x08\n\x06\x61\x63tion\"W\n\x10ResumeGeneration\x12\x15\n\rresume_handle\x18\x01 \x01(\t\x12\x18\n\x10next_token_index\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"@\n\x10GenerateResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"u\n\x15GenerateStreamRequest\x12,\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGeneration\x12.\n\x06resume\x18\x02 \x01(\x0b\x32\x1e.draftwise.v1.ResumeGeneration\"F\n\x16GenerateStreamResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"\x13\n\x11ListModelsRequest\"\xb5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x11\n\thas_draft\x18\x03 \x01(\x08\x12;\n\x12speculative_method\x18\x04 \x01(\x0e\x32\x1f.draftwise.v1.SpeculativeMethod\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\"T\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.draftwise.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t*y\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\"\n\x1eSPECULATIVE_METHOD_DRAFT_MODEL\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x02\x32\x90\x02\n\x0fGenerateService\x12M\n\x08Generate\x12\x1d.draftwise.v1.GenerateRequest\x1a\x1e.draftwise.v1.GenerateResponse(\x01\x30\x01\x12]\n\x0eGenerateStream\x12#.draftwise.v1.GenerateStreamRequest\x1a$.draftwise.v1.GenerateStreamResponse0\x01\x12O\n\nListModels\x12\x1f.draftwise.v1.ListModelsRequest\x1a .draftwise.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'draftwise.v1.generate_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVEMETHOD']._serialized_start=711
-  _globals['_SPECULATIVEMETHOD']._serialized_end=832
-  _globals['_GENERATEREQUEST']._serialized_start=84
-  _globals['_GENERATEREQUEST']._serialized_end=209
-  _globals['_GENERATERESPONSE']._serialized_start=211
-  _globals['_GENERATERESPONSE']._serialized_end=275
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=277
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=346
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=348
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=418
-  _globals['_LISTMODELSREQUEST']._serialized_start=420
-  _globals['_LISTMODELSREQUEST']._serialized_end=439
-  _globals['_MODELINFO']._serialized_start=442
-  _globals['_MODELINFO']._serialized_end=623
-  _globals['_LISTMODELSRESPONSE']._serialized_start=625
-  _globals['_LISTMODELSRESPONSE']._serialized_end=709
-  _globals['_GENERATESERVICE']._serialized_start=835
-  _globals['_GENERATESERVICE']._serialized_end=1107
+  _globals['_SPECULATIVEMETHOD']._serialized_start=899
+  _globals['_SPECULATIVEMETHOD']._serialized_end=1020
+  _globals['_GENERATEREQUEST']._serialized_start=85
+  _globals['_GENERATEREQUEST']._serialized_end=260
+  _globals['_RESUMEGENERATION']._serialized_start=262
+  _globals['_RESUMEGENERATION']._serialized_end=349
+  _globals['_GENERATERESPONSE']._serialized_start=351
+  _globals['_GENERATERESPONSE']._serialized_end=415
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=417
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=534
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=536
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=606
+  _globals['_LISTMODELSREQUEST']._serialized_start=608
+  _globals['_LISTMODELSREQUEST']._serialized_end=627
+  _globals['_MODELINFO']._serialized_start=630
+  _globals['_MODELINFO']._serialized_end=811
+  _globals['_LISTMODELSRESPONSE']._serialized_start=813
+  _globals['_LISTMODELSRESPONSE']._serialized_end=897
+  _globals['_GENERATESERVICE']._serialized_start=1023
+  _globals['_GENERATESERVICE']._serialized_end=1295
 # @@protoc_insertion_point(module_scope)

@@ -18,12 +18,24 @@ SPECULATIVE_METHOD_DRAFT_MODEL: SpeculativeMethod
 SPECULATIVE_METHOD_NGRAM: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("start", "cancel", "resume")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     start: _generation_pb2.StartGeneration
     cancel: _generation_pb2.CancelGeneration
-    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ..., cancel: _Optional[_Union[_generation_pb2.CancelGeneration, _Mapping]] = ...) -> None: ...
+    resume: ResumeGeneration
+    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ..., cancel: _Optional[_Union[_generation_pb2.CancelGeneration, _Mapping]] = ..., resume: _Optional[_Union[ResumeGeneration, _Mapping]] = ...) -> None: ...
+
+class ResumeGeneration(_message.Message):
+    __slots__ = ("resume_handle", "next_token_index", "request_id")
+    RESUME_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    resume_handle: str
+    next_token_index: int
+    request_id: str
+    def __init__(self, resume_handle: _Optional[str] = ..., next_token_index: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("event",)
@@ -32,10 +44,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[_generation_pb2.GenerationEvent, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("start",)
+    __slots__ = ("start", "resume")
     START_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     start: _generation_pb2.StartGeneration
-    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ...) -> None: ...
+    resume: ResumeGeneration
+    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ..., resume: _Optional[_Union[ResumeGeneration, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("event",)
