@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    for name in ["pyproject.toml", "README.md"]:
+    for name in ["pyproject.toml", "README.md", "LICENSE"]:
         shutil.copy(ROOT / name, src / name)
     for name in ["draftwise", "worker", "kernels", "gateway", "proto"]:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
