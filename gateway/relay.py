@@ -73,11 +73,11 @@ class Core:
             if w is None or relay.moving:
                 continue
             if w.load.draining:
-                relay.move("drain", f"worker {w.address} is draining")
+                relay.move("drain", f"worker {w.address} is draining ({relay.num_tokens} output tokens sent)")
             elif relay.num_tokens and now - relay.t_progress > stall:
                 reason = f"no progress for {stall:g}s"
                 self.router.report_stall(w, stall, f"a request made {reason} on it (hung?)")
-                relay.move("stall", f"worker {w.address} made {reason}")
+                relay.move("stall", f"worker {w.address} made {reason} after {relay.num_tokens} output tokens")
 
     def worker_request_id(self) -> str:
         """A request id unique across this gateway's requests (client ids are unique per stream only)."""
@@ -340,6 +340,7 @@ class Relay:
         # worker -> its channel when it failed this request: a worker restarted since (a new
         # channel) may take the request again
         excluded: dict[WorkerHandle, Any] = {}
+        last_failure = ""
         while True:
             w = self._pick(excluded)
             if w is None:
@@ -348,7 +349,7 @@ class Relay:
                         grpc.StatusCode.UNAVAILABLE,
                         f"no healthy worker serves model {self.model!r} ({self.core.router.describe()}); retry shortly",
                     )
-                w = await self._wait_for_worker(excluded)
+                w = await self._wait_for_worker(excluded, last_failure)
             excluded[w] = w.channel
             self.worker = w
             w.in_flight += 1
@@ -358,6 +359,7 @@ class Relay:
                 w.in_flight -= 1
             if failed is None:
                 return
+            last_failure = failed[1]
             if self.num_tokens:
                 self._prepare_failover(w, *failed)
 
@@ -365,7 +367,7 @@ class Relay:
         out = frozenset(w for w, channel in excluded.items() if w.channel is channel)
         return self.core.router.pick(self.model, out)
 
-    async def _wait_for_worker(self, excluded: dict[WorkerHandle, Any]) -> WorkerHandle:
+    async def _wait_for_worker(self, excluded: dict[WorkerHandle, Any], why: str) -> WorkerHandle:
         """A healthy worker to fail over to, waiting up to ``failover_wait_s`` (within the
         deadline) for one to come (back) up."""
         t0 = time.monotonic()
@@ -379,7 +381,7 @@ class Relay:
                 return w
         raise RequestError(
             grpc.StatusCode.UNAVAILABLE,
-            f"no healthy worker to continue the request on within {time.monotonic() - t0:.1f}s "
+            f"{why}, and no healthy worker came up to continue on within {time.monotonic() - t0:.1f}s "
             f"({self.core.router.describe()}); {self.num_tokens} output tokens were delivered: "
             "retry it (or resubmit the prompt plus those tokens)",
         )
@@ -453,7 +455,10 @@ class Relay:
         if self._move is not None:
             return self._move
         if self.num_tokens:
-            return "unavailable", f"worker {w.address} ended the request without a final event"
+            return (
+                "unavailable",
+                f"worker {w.address} ended the request without a final event after {self.num_tokens} output tokens",
+            )
         raise RequestError(
             grpc.StatusCode.UNAVAILABLE, f"worker {w.address} ended the request without a final event; retry it"
         )
@@ -527,10 +532,16 @@ class Relay:
             self.core.router.report_failure(w, f"Generate failed: {details}")
             if self.num_tokens == 0:
                 self.log.warning("worker unavailable, retrying elsewhere", worker=w.address, details=details)
-            return "unavailable", f"worker {w.address} became unavailable ({details})"
+            return (
+                "unavailable",
+                f"worker {w.address} became unavailable after {self.num_tokens} output tokens ({details})",
+            )
         if code == S.CANCELLED:
             if self.num_tokens:  # the worker stopped it (shutting down): go on elsewhere
-                return "unavailable", f"worker {w.address} stopped the request ({details})"
+                return (
+                    "unavailable",
+                    f"worker {w.address} stopped the request after {self.num_tokens} output tokens ({details})",
+                )
             raise RequestError(S.UNAVAILABLE, f"worker {w.address} stopped the request ({details}); retry it")
         if code == S.NOT_FOUND:
             raise RequestError(S.INVALID_ARGUMENT, details)

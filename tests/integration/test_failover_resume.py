@@ -15,7 +15,6 @@ import pytest
 
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
-from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.worker import SamplingParams
