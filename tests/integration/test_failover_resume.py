@@ -7,7 +7,9 @@ request is cancelled (KV freed) and a resume gets NOT_FOUND."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import urllib.request
 
 import grpc
@@ -33,7 +35,7 @@ def cluster(proc_dir):
     workers = start_workers(3, proc_dir, prefix="fo")
     gateways = []
     try:
-        flags = ("--failover-wait-s=5", f"--resume-retention-s={RETENTION_S:g}")
+        flags = ("--failover-wait-s=5", "--failover-stall-s=2", f"--resume-retention-s={RETENTION_S:g}")
         gateways.append(start_gateway(workers, proc_dir, "gateway-fo", *flags))
         gateways.append(start_gateway(workers, proc_dir, "gateway-fo0", "--max-failovers=0", *flags))
     except BaseException:
@@ -53,8 +55,10 @@ def reference(reference_llm):
 
 
 def _counter(gateway, name: str) -> float:
+    """The sum of a metric's samples; ``name`` may include labels (exactly as exposed)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(gateway)}/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    labels = "" if "{" in name else r"(?:\{[^}]*\})?"
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M))
 
 
 async def _busy_worker(workers):
@@ -241,6 +245,28 @@ def test_max_failovers_ends_unavailable_saying_tokens_delivered(cluster):
     assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
     n = len(got.token_ids)
     assert 0 < n < N_TOKENS and f"{n} output tokens were delivered" in details and "--max-failovers=0" in details
+
+
+def test_hung_worker_is_left_after_the_stall_time(cluster, reference):
+    """A worker that stops making progress (SIGSTOP: its process hangs) loses its requests
+    after --failover-stall-s; they go on elsewhere, exactly."""
+    workers, gateway, _ = cluster
+    stopped = []
+
+    async def disrupt():
+        w = await _busy_worker(workers)
+        os.kill(w.popen.pid, signal.SIGSTOP)
+        stopped.append(w)
+
+    before = _counter(gateway, 'draftwise_failovers_total{reason="stall"}')
+    try:
+        results = asyncio.run(_stream_with_disruption(gateway, disrupt))
+    finally:
+        for w in stopped:
+            os.kill(w.popen.pid, signal.SIGCONT)
+    _assert_undisturbed(results, reference)
+    assert _counter(gateway, 'draftwise_failovers_total{reason="stall"}') > before
+    asyncio.run(asyncio.sleep(2.5))  # the hung worker comes back into rotation
 
 
 def test_kill_9_mid_stream_continues_token_for_token(cluster, reference):
