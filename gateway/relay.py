@@ -72,7 +72,8 @@ class Core:
             w = relay.call_worker
             if w is None or relay.moving:
                 continue
-            if w.load.draining:
+            if w.load.draining and self.router.pick(relay.model, frozenset({w})) is not None:
+                # (with nowhere to go, the request finishes on the draining worker, as Drain promises)
                 relay.move("drain", f"worker {w.address} is draining ({relay.num_tokens} output tokens sent)")
             elif relay.num_tokens and now - relay.t_progress > stall:
                 reason = f"no progress for {stall:g}s"
@@ -172,7 +173,8 @@ class Relay:
             self.request.start.sampling_params.seed = secrets.randbits(63)
         self.t0 = time.perf_counter()
         self.t_last = 0.0
-        self.tokens: list[int] = []  # every output token sent to the client, in order
+        # every output token the client has, in order: a client may itself start from a continuation
+        self.tokens: list[int] = list(start.continuation.output_token_ids)
         self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
         self.failovers = 0
         # the worker call in progress (None between attempts), and a move asked of it
@@ -184,7 +186,7 @@ class Relay:
         self.handle = ""
         self.buffer: ReplayBuffer | None = None
         if core.config.resume_retention_s > 0:
-            self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes)
+            self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes, num_tokens=len(self.tokens))
         self._expiry: asyncio.TimerHandle | None = None
         self.on_takeover: Callable[[], None] | None = None
         """Called when a resume on another stream takes this request over (its stream forgets it)."""
@@ -557,7 +559,7 @@ class Relay:
             return
         now = time.perf_counter()
         m = self.core.metrics
-        if self.num_tokens == 0:
+        if not self.t_first:
             self.t_first = now
             if delta.prompt_tokens:
                 self.prompt_tokens = delta.prompt_tokens
@@ -593,7 +595,7 @@ class Relay:
         )
         t = finished.timings
         t.queue_ms = self.queue_ms
-        if self.num_tokens:
+        if self.t_first:
             t.time_to_first_token_ms = (self.t_first - self.t0) * 1000
         t.total_ms = (time.perf_counter() - self.t0) * 1000
         self.core.metrics.observe_finished(finished)

@@ -139,6 +139,35 @@ def test_resume_on_a_new_channel_gets_exactly_the_rest(cluster, reference):
     assert again.code == grpc.StatusCode.NOT_FOUND and "resume handle" in again.final.error.message
 
 
+def test_client_continuation_through_the_gateway(cluster, reference):
+    """StartGeneration.continuation on the public API: the worker goes on from it (index, tokens
+    and text as the undisturbed run's); a finished continuation is INVALID_ARGUMENT."""
+    _, gateway, _ = cluster
+    prompt = PROMPTS[3]
+    ids, text = reference[prompt]
+
+    async def main():
+        async with grpc.aio.insecure_channel(gateway.address) as ch:
+            stub = gsgrpc.GenerateServiceStub(ch)
+            s = start("", prompt, **GREEDY)
+            s.continuation.output_token_ids.extend(ids[:10])
+            got = Result("c")
+            got.token_ids = list(ids[:10])
+            async for resp in stub.GenerateStream(gspb.GenerateStreamRequest(start=s), timeout=60):
+                got.add(resp.event)
+            s.continuation.output_token_ids.extend(ids[10:])  # all N_TOKENS: nothing left
+            try:
+                await stub.GenerateStream(gspb.GenerateStreamRequest(start=s), timeout=10).read()
+                return got, grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as e:
+                return got, e.code(), e.details()
+
+    got, code, details = asyncio.run(main())
+    assert got.token_ids == ids and got.final.finished.usage.completion_tokens == N_TOKENS
+    assert got.text and text.endswith(got.text)  # the rest of the text, none of it sent twice
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "already finished" in details
+
+
 def test_resume_errors_and_retention(cluster):
     workers, gateway, _ = cluster
     addresses = [w.address for w in workers]
