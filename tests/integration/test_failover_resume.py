@@ -85,6 +85,12 @@ async def _stream_with_disruption(gateway, disrupt) -> dict[str, Result]:
     return results
 
 
+def _longest_gap_ms(results) -> float:
+    """The longest wait between two deltas of one request (the failover's cost, for the report)."""
+    gaps = [b - a for r in results.values() for a, b in zip(r.delta_times, r.delta_times[1:], strict=False)]
+    return max(gaps) * 1000
+
+
 def _assert_undisturbed(results, reference):
     for p, r in results.items():
         assert r.kind == "finished", (p, r.final)
@@ -231,6 +237,7 @@ def test_drain_moves_requests(cluster, reference):
         results = asyncio.run(_stream_with_disruption(gateway, disrupt))
         _assert_undisturbed(results, reference)
         assert _counter(gateway, "draftwise_failovers_total") > before
+        print(f"drain: longest gap between deltas {_longest_gap_ms(results):.0f} ms")
         assert _counter(gateway, "draftwise_failover_recomputed_tokens_total") > 0
     finally:
         for w in drained:
@@ -309,3 +316,4 @@ def test_kill_9_mid_stream_continues_token_for_token(cluster, reference):
     results = asyncio.run(_stream_with_disruption(gateway, disrupt))
     _assert_undisturbed(results, reference)
     assert _counter(gateway, "draftwise_failovers_total") > before
+    print(f"kill -9: longest gap between deltas {_longest_gap_ms(results):.0f} ms")
