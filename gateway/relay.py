@@ -90,6 +90,9 @@ class Core:
         return next((w.model for w in self.router.workers if w.model), None)
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy (as SamplingParams says): such a request needs no seed."""
+
 CLIP_CHARS = 64
 """Client-supplied strings quoted in an error message are cut to this many characters."""
 MAX_DETAILS_CHARS = 1024
@@ -168,7 +171,9 @@ class Relay:
         self.base_id = core.worker_request_id()
         self.request.start.request_id = self.base_id
         self.request.start.model = model
-        if not start.sampling_params.HasField("seed"):
+        sp = start.sampling_params
+        greedy = sp.HasField("temperature") and sp.temperature < GREEDY_BELOW
+        if not sp.HasField("seed") and not greedy:
             # a failover must go on with the same randomness: fix the seed now (DESIGN §2)
             self.request.start.sampling_params.seed = secrets.randbits(63)
         self.t0 = time.perf_counter()
