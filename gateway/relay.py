@@ -6,8 +6,7 @@ A worker that turns out to be unreachable before the request produced anything i
 out of rotation and the request retried on another. Once tokens reached the client, a worker
 that dies, hangs (no progress for ``failover_stall_s``) or drains makes the request fail
 over: it is resubmitted elsewhere with the tokens sent so far as its continuation, the same
-sampling parameters (a seed the gateway picked when the client gave none) and the remaining
-deadline, and relaying goes on at the next index (see docs/serving.md).
+sampling parameters and the remaining deadline, and relaying goes on at the next index (see docs/serving.md).
 
 Every request also gets a resume handle on its first delta and a replay buffer
 (:mod:`draftwise.gateway.replay`): when its client goes away it keeps running for
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,9 +87,6 @@ class Core:
             return self.config.default_model
         return next((w.model for w in self.router.workers if w.model), None)
 
-
-GREEDY_BELOW = 1e-5
-"""A temperature below this is greedy (as SamplingParams says): such a request needs no seed."""
 
 CLIP_CHARS = 64
 """Client-supplied strings quoted in an error message are cut to this many characters."""
@@ -171,11 +166,9 @@ class Relay:
         self.base_id = core.worker_request_id()
         self.request.start.request_id = self.base_id
         self.request.start.model = model
-        sp = start.sampling_params
-        greedy = sp.HasField("temperature") and sp.temperature < GREEDY_BELOW
-        if not sp.HasField("seed") and not greedy:
-            # a failover must go on with the same randomness: fix the seed now (DESIGN §2)
-            self.request.start.sampling_params.seed = secrets.randbits(63)
+        # No seed is invented for unseeded requests: they continue from the model's distribution
+        # after a failover, and keep exact rejection sampling (the higher acceptance) under
+        # speculation; seeded ones continue token for token (randomness keyed by seed and position).
         self.t0 = time.perf_counter()
         self.t_last = 0.0
         # every output token the client has, in order: a client may itself start from a continuation
