@@ -307,10 +307,9 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        generator = None
+        seed = None  # keys the request's randomness with each token's position
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -328,7 +327,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            generator=generator,
+            seed=seed,
             detokenizer=detok,
         )
         if self.spec_method is not None and params.use_speculation:
@@ -775,7 +774,9 @@ class LLMEngine:
             [r.spec_draft_ids for r in reqs],
             _stack_q([draft_q.get(r.request_id) for r in reqs], [r.spec_draft_ids for r in reqs], p),
             [r.sampling_params.is_greedy for r in reqs],
-            [r.generator for r in reqs],
+            [r.seed for r in reqs],
+            [r.num_tokens for r in reqs],  # the position of each request's first draft
+            [r.sampling_params.seed is not None for r in reqs],  # seeded: Gumbel coupling, output as plain sampling
         )
         out = []
         base = 0
