@@ -4,11 +4,15 @@
    prompts, at temperature 0.7 and 1.0: acceptance rate and mean accepted length of seeded
    requests (Gumbel coupling: exact, output equal to plain seeded sampling) against unseeded
    ones (rejection sampling: exact in distribution only).
-2. ``noise``: the sampler's randomness for a [rows, vocab] batch: keyed noise (one batched
+2. ``paired``: the same comparison on identical contexts: held-out text scored by target and
+   draft (teacher forcing), and at every position rejection sampling's acceptance
+   probability ``sum min(p, q)`` against the coupling's ``P(argmax(p / E) == argmax(q / E))``
+   (estimated over 64 seeds of the keyed noise).
+3. ``noise``: the sampler's randomness for a [rows, vocab] batch: keyed noise (one batched
    computation) against the previous per-request ``torch.Generator`` draws (one
    ``exponential_`` call per row), and the whole ``Sampler`` call with each.
 
-    python bench/bench_keyed.py [--only acceptance,noise] [--threads 2] [--ks 3,5] [--prompts 8] [--tokens 128]
+    python bench/bench_keyed.py [--only acceptance,paired,noise] [--threads 2] [--ks 3,5] [--prompts 8] [--tokens 128]
 
 Results go to bench/results/keyed.json and are printed as tables (docs/engine.md quotes them).
 """
@@ -26,9 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, heldout_prompts, machine  # noqa: E402
 
-from draftwise.worker import LLM, SamplingParams  # noqa: E402
+from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 from draftwise.worker import sampler as sampler_mod  # noqa: E402
 from draftwise.worker.keyed_random import STREAM_SAMPLE, keyed_exponential  # noqa: E402
+from draftwise.worker.kv_cache import KVCache  # noqa: E402
+from draftwise.worker.loader import load_model  # noqa: E402
+from draftwise.worker.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 
 NUM_PROMPTS = 8
 NEW_TOKENS = 128
@@ -63,6 +70,43 @@ def bench_acceptance(ks: list[int], num_prompts: int, new_tokens: int) -> list[d
                     }
                 )
                 print(rows[-1], flush=True)
+    return rows
+
+
+def _all_logits(which: str, texts: list[list[int]]) -> torch.Tensor:  # [positions, vocab]
+    loaded = load_model(default_model_path(which), dtype="float32")
+    n = max(len(t) for t in texts)
+    runner = ModelRunner(loaded, KVCache(loaded.config, -(-n // 16), 16, loaded.dtype, "cpu"))
+    out = [runner.run([SequenceChunk(t, 0, list(range(-(-n // 16))), len(t))]) for t in texts]
+    return torch.cat(out).float()
+
+
+def bench_paired(num_texts: int = 4, length: int = 256, seeds: int = 64) -> list[dict]:
+    tokenizer = LLM(dtype="float32").get_tokenizer()
+    texts = heldout_prompts(tokenizer, num_texts, (length, length), seed=1)
+    target, draft = _all_logits("target", texts), _all_logits("draft", texts)
+    vocab = target.shape[1]
+    if draft.shape[1] < vocab:
+        draft = torch.nn.functional.pad(draft, (0, vocab - draft.shape[1]), value=-torch.inf)
+    rows = []
+    for temp in (0.7, 1.0):
+        p, q = (target / temp).softmax(-1), (draft / temp).softmax(-1)  # [positions, vocab]
+        rejection = float(torch.minimum(p, q).sum(-1).mean())
+        agree = 0.0
+        for s in range(seeds):
+            e = keyed_exponential([s] * p.shape[0], list(range(p.shape[0])), STREAM_SAMPLE, vocab).clamp_min(1e-38)
+            agree += float(((p / e).argmax(-1) == (q / e).argmax(-1)).double().mean())
+        rows.append(
+            {
+                "temperature": temp,
+                "positions": p.shape[0],
+                "seeds": seeds,
+                "rejection_sampling_acceptance": rejection,
+                "gumbel_coupling_acceptance": agree / seeds,
+                "ratio": agree / seeds / rejection,
+            }
+        )
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -118,7 +162,7 @@ def bench_noise(vocab: int = 8192) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="acceptance,noise")
+    ap.add_argument("--only", default="acceptance,paired,noise")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ks", default="3,5", help="acceptance: fixed k values")
     ap.add_argument("--prompts", type=int, default=NUM_PROMPTS, help="acceptance: held-out prompts (one batch)")
@@ -131,6 +175,8 @@ def main() -> None:
     results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads})
     if "noise" in which:
         results["noise"] = bench_noise()
+    if "paired" in which:
+        results["paired"] = bench_paired()
     if "acceptance" in which:
         results["acceptance"] = bench_acceptance([int(k) for k in args.ks.split(",")], args.prompts, args.tokens)
     out_path.parent.mkdir(exist_ok=True)

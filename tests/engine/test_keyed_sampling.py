@@ -19,7 +19,7 @@ from draftwise.worker.sampling_params import SamplingParams
 
 # Repetitive code: n-gram lookup finds matches, and the draft model agrees often enough.
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
-N = 40
+N = 32
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=4242, max_tokens=N, ignore_eos=True)
 BASE = dict(dtype="float32", max_model_len=512, num_kv_blocks=256, max_num_seqs=64)
 
@@ -70,9 +70,9 @@ def _others(n: int) -> list[tuple[str, str, SamplingParams]]:
         if kind == 0:
             params = SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True)
         elif kind == 1:
-            params = SamplingParams(temperature=1.0, seed=i, max_tokens=3 + 2 * i, ignore_eos=True)
+            params = SamplingParams(temperature=1.0, seed=i, max_tokens=3 + i, ignore_eos=True)
         elif kind == 2:
-            params = SamplingParams(temperature=0.7, top_k=20, max_tokens=N + 10, ignore_eos=True)
+            params = SamplingParams(temperature=0.7, top_k=20, max_tokens=N, ignore_eos=True)
         else:
             params = SamplingParams(temperature=0.9, repetition_penalty=1.2, max_tokens=1 + i, ignore_eos=True)
         reqs.append((f"o{i}", "import os\n" * (1 + i % 7) + f"x{i} = ", params))
@@ -115,7 +115,7 @@ def test_the_same_with_speculation(alone: list[int], spec: str) -> None:
         assert 0 < totals["accepted"] < totals["proposed"], totals  # accepts and rejections both
 
 
-@pytest.mark.parametrize("m", [1, 17, 33])
+@pytest.mark.parametrize("m", [1, 17, 29])
 def test_restarted_midway_goes_on_with_the_same_tokens(plain: LLMEngine, alone: list[int], m: int) -> None:
     """Prompt + the first m tokens as a new request's prompt (no penalties, so output tokens
     and prompt tokens weigh alike): the same absolute positions draw the same numbers."""
