@@ -3,7 +3,9 @@ on its own task into the stream's :class:`Outbox`; a writer loop sends what the 
 reads. A request's error is its own final event; the stream stays up.
 
 Ends: client half-close -> the in-flight requests finish, then OK. Client cancels the call
--> every request is aborted (its worker call cancelled). Server shutdown -> in-flight
+(or its connection drops) -> every request that already sent its first delta (its resume
+handle) keeps running for the resume retention time, waiting for a ``ResumeGeneration``; the
+others are aborted (their worker calls cancelled). Server shutdown -> in-flight
 requests finish (or are ended with UNAVAILABLE when the grace period runs out), then the
 call ends with UNAVAILABLE. A message that cannot be parsed (it has no request id to
 answer) -> the in-flight requests are aborted and the call ends with INVALID_ARGUMENT at
@@ -22,7 +24,7 @@ import grpc
 import structlog
 
 from draftwise.gateway.config import MAX_RECEIVE_BYTES
-from draftwise.gateway.relay import Core, Relay, RequestError, clip, error_response
+from draftwise.gateway.relay import Core, Relay, RequestError, clip, error_response, resume_relay
 from draftwise.gateway.streams import Outbox
 from draftwise.gateway.validate import parse_request, too_large, validate_start
 from draftwise.v1 import generate_service_pb2 as gspb
@@ -77,7 +79,7 @@ class MultiplexedStream:
             self.core.metrics.streams_open.dec()
             reader.cancel()
             for relay in list(self.active.values()):
-                relay.cancel()  # the call is over: abort what is left (their worker calls are cancelled)
+                relay.client_gone(self.outbox)  # kept for a resume, or aborted (its worker call cancelled)
         if self.fatal is not None:
             await self.context.abort(self.fatal.code, self.fatal.message)
         if self.shutting_down and not self.half_closed:
@@ -110,11 +112,15 @@ class MultiplexedStream:
                     relay = self.active.get(req.cancel.request_id)
                     if relay is not None:
                         relay.cancel()  # unknown or finished ids are ignored, as the contract says
+                elif action == "resume":
+                    self.resume(req.resume)
                 else:
                     self.outbox.put_final(
                         "",
                         error_response(
-                            "", grpc.StatusCode.INVALID_ARGUMENT, "GenerateRequest has neither start nor cancel"
+                            "",
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "GenerateRequest has none of start, cancel and resume",
                         ),
                     )
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:  # the call is ending
@@ -133,7 +139,9 @@ class MultiplexedStream:
 
     def _too_large(self, req: gspb.GenerateRequest, size: int, limit: int) -> None:
         action = req.WhichOneof("action")
-        rid = req.start.request_id if action == "start" else req.cancel.request_id if action == "cancel" else ""
+        rid = {"start": req.start.request_id, "cancel": req.cancel.request_id, "resume": req.resume.request_id}.get(
+            action or "", ""
+        )
         e = too_large(size, limit)
         self.core.metrics.requests.labels(e.code.name.lower()).inc()
         self.log.info("request too large", request_id=clip(rid), bytes=size, limit=limit)
@@ -176,6 +184,30 @@ class MultiplexedStream:
         relay = Relay(self.core, rid, start, model, self.outbox, self.context.time_remaining())
         self.active[rid] = relay
         relay.start().add_done_callback(lambda _t, rid=rid, relay=relay: self._done(rid, relay))
+
+    def resume(self, r: gspb.ResumeGeneration) -> None:
+        """Attach the request of ``r.resume_handle`` to this stream (see ``Relay.resume``)."""
+        relay = self.core.resumable.get(r.resume_handle)
+        rid = r.request_id or (relay.start_request_id if relay is not None else "")
+        try:
+            running = self.active.get(rid)
+            if running is not None and running is not relay and not running.done:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request_id {clip(rid)!r} is already in flight on this stream: resume under another id",
+                )
+            if self.core.draining:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the server is shutting down; the request cannot be resumed here"
+                )
+            resume_relay(self.core, relay, self.outbox, rid, r.next_token_index)
+        except RequestError as e:
+            self.outbox.put_final(rid, error_response(rid, e.code, e.message))
+            return
+        assert relay is not None and relay.task is not None
+        self.active[rid] = relay
+        relay.on_takeover = lambda rid=rid, relay=relay: self._done(rid, relay)
+        relay.task.add_done_callback(lambda _t, rid=rid, relay=relay: self._done(rid, relay))
 
     def _done(self, rid: str, relay: Relay) -> None:
         if self.active.get(rid) is relay:

@@ -55,6 +55,22 @@ class GatewayConfig:
     """Model used when a request names none; None: the model of the first worker that answers."""
     shutdown_grace_s: float = 30.0
     """On shutdown, how long in-flight requests may run before they end with UNAVAILABLE."""
+    max_failovers: int = 2
+    """Times one request may move to another worker after it sent tokens (its worker died, hung or drained);
+    one more failure ends it with UNAVAILABLE. 0: no mid-stream failover."""
+    failover_stall_s: float = 30.0
+    """A worker call that has sent tokens and then sends nothing for this long is taken as hung: the request
+    moves elsewhere and the worker is out of rotation for as long."""
+    failover_wait_s: float = 15.0
+    """How long a request that must fail over waits for a healthy worker (the supervisor restarting one),
+    within its deadline, before it ends with UNAVAILABLE."""
+    resume_retention_s: float = 60.0
+    """How long a request whose client went away keeps running (and its replay buffer kept) for a
+    ``ResumeGeneration``; then it is cancelled and its KV freed. 0: not resumable (cancelled at once)."""
+    resume_buffer_bytes: int = 1 << 20
+    """Replay buffer cap of one request (serialized events); past it the request can no longer be resumed."""
+    resume_buffer_total_bytes: int = 256 << 20
+    """Replay buffers of all requests together; a request whose event would pass it loses resumability."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -71,6 +87,15 @@ class GatewayConfig:
             raise ValueError("TLS needs both a certificate (tls_cert) and its key (tls_key)")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.max_failovers < 0:
+            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
+        for name in ("failover_stall_s", "failover_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.resume_retention_s < 0:
+            raise ValueError(f"resume_retention_s must be >= 0, got {self.resume_retention_s}")
+        if self.resume_buffer_bytes < 0 or self.resume_buffer_total_bytes < 0:
+            raise ValueError("resume_buffer_bytes and resume_buffer_total_bytes must be >= 0")
         if self.worker_names and len(self.worker_names) != len(self.workers):
             raise ValueError(f"{len(self.worker_names)} worker names for {len(self.workers)} workers")
         for what, items in (("worker address", self.workers), ("worker name", self.worker_names)):

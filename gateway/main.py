@@ -68,6 +68,42 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-grace", type=float, default=d.shutdown_grace_s, help="seconds in-flight requests get on shutdown"
     )
     p.add_argument(
+        "--max-failovers",
+        type=int,
+        default=d.max_failovers,
+        help=f"times a request may move to another worker mid-stream (default {d.max_failovers}; 0: never)",
+    )
+    p.add_argument(
+        "--failover-stall-s",
+        type=float,
+        default=d.failover_stall_s,
+        help=f"seconds without progress after which a worker call counts as hung (default {d.failover_stall_s:g})",
+    )
+    p.add_argument(
+        "--failover-wait-s",
+        type=float,
+        default=d.failover_wait_s,
+        help=f"seconds a failing-over request waits for a healthy worker (default {d.failover_wait_s:g})",
+    )
+    p.add_argument(
+        "--resume-retention-s",
+        type=float,
+        default=d.resume_retention_s,
+        help=f"seconds a request whose client went away stays resumable (default {d.resume_retention_s:g}; 0: off)",
+    )
+    p.add_argument(
+        "--resume-buffer-bytes",
+        type=int,
+        default=d.resume_buffer_bytes,
+        help=f"replay buffer cap per request in bytes (default {d.resume_buffer_bytes})",
+    )
+    p.add_argument(
+        "--resume-buffer-total-bytes",
+        type=int,
+        default=d.resume_buffer_total_bytes,
+        help=f"replay buffers of all requests together, in bytes (default {d.resume_buffer_total_bytes})",
+    )
+    p.add_argument(
         "--log-format", choices=["auto", "json", "console"], default="auto", help="log lines (default: auto)"
     )
     p.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
@@ -90,6 +126,12 @@ def config_from_args(args: argparse.Namespace, workers: tuple[str, ...]) -> Gate
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         shutdown_grace_s=args.shutdown_grace,
+        max_failovers=args.max_failovers,
+        failover_stall_s=args.failover_stall_s,
+        failover_wait_s=args.failover_wait_s,
+        resume_retention_s=args.resume_retention_s,
+        resume_buffer_bytes=args.resume_buffer_bytes,
+        resume_buffer_total_bytes=args.resume_buffer_total_bytes,
     )
 
 

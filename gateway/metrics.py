@@ -96,6 +96,29 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.failovers = Counter(
+            "draftwise_failovers",
+            "Requests moved to another worker after tokens were sent, by reason (unavailable, stall, drain)",
+            ["reason"],
+            registry=r,
+        )
+        self.failover_recomputed_tokens = Counter(
+            "draftwise_failover_recomputed_tokens",
+            "Prompt and continuation tokens prefilled again because of failovers",
+            registry=r,
+        )
+        self.resumes = Counter(
+            "draftwise_resumes",
+            "ResumeGeneration requests by outcome (ok, not_found, invalid_argument)",
+            ["outcome"],
+            registry=r,
+        )
+        self.detached = Gauge(
+            "draftwise_requests_detached", "Requests running or kept for resumption without a client", registry=r
+        )
+        self.replay_bytes = Gauge(
+            "draftwise_replay_buffer_bytes", "Bytes held in the replay buffers of resumable requests", registry=r
+        )
 
     def observe_finished(self, finished: pb.Finished) -> None:
         """Usage, queue time and speculation counters of a request's Finished event."""

@@ -3,15 +3,24 @@ event to the client stream's :class:`Outbox` (never waiting on the client), and 
 exactly one final event (finished or error) whatever happens.
 
 A worker that turns out to be unreachable before the request produced anything is taken
-out of rotation and the request retried on another; once tokens reached the client, a
-failed worker ends the request with UNAVAILABLE.
+out of rotation and the request retried on another. Once tokens reached the client, a worker
+that dies, hangs (no progress for ``failover_stall_s``) or drains makes the request fail
+over: it is resubmitted elsewhere with the tokens sent so far as its continuation, the same
+sampling parameters (a seed the gateway picked when the client gave none) and the remaining
+deadline, and relaying goes on at the next index (see docs/serving.md).
+
+Every request also gets a resume handle on its first delta and a replay buffer
+(:mod:`draftwise.gateway.replay`): when its client goes away it keeps running for
+``resume_retention_s`` so that a ``ResumeGeneration`` can pick it up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +30,7 @@ import structlog
 from draftwise.gateway.admission import Admission
 from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.replay import ReplayBudget, ReplayBuffer, ResumeError, new_handle
 from draftwise.gateway.router import Router, WorkerHandle
 from draftwise.gateway.streams import Outbox
 from draftwise.v1 import generate_service_pb2 as gspb
@@ -44,7 +54,30 @@ class Core:
     draining: bool = False
     relays: set[Relay] = field(default_factory=set)
     streams: set[Any] = field(default_factory=set)  # open MultiplexedStreams
+    resumable: dict[str, Relay] = field(default_factory=dict)  # resume handle -> request
+    replay_budget: ReplayBudget = field(init=False)
     _ids: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.replay_budget = ReplayBudget(self.config.resume_buffer_total_bytes)
+        self.router.watchers.append(self.watch)
+
+    def watch(self) -> None:
+        """After each round of polls: move requests off workers that drain, and off calls that
+        sent tokens and then nothing for ``failover_stall_s`` (the worker is then kept out of
+        rotation as long)."""
+        now = time.monotonic()
+        stall = self.config.failover_stall_s
+        for relay in list(self.relays):
+            w = relay.call_worker
+            if w is None or relay.moving:
+                continue
+            if w.load.draining:
+                relay.move("drain", f"worker {w.address} is draining")
+            elif relay.num_tokens and now - relay.t_progress > stall:
+                reason = f"no progress for {stall:g}s"
+                self.router.report_stall(w, stall, f"a request made {reason} on it (hung?)")
+                relay.move("stall", f"worker {w.address} made {reason}")
 
     def worker_request_id(self) -> str:
         """A request id unique across this gateway's requests (client ids are unique per stream only)."""
@@ -69,6 +102,12 @@ def clip(text: str, limit: int = CLIP_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
+def _being_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not merely a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class RequestError(Exception):
     """A request ends with this status code and message."""
 
@@ -76,6 +115,27 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def resume_relay(core: Core, relay: Relay | None, outbox: Outbox, request_id: str, next_token_index: int) -> None:
+    """Attach ``relay`` (the request of a resume handle, None when unknown) to ``outbox``;
+    RequestError NOT_FOUND or INVALID_ARGUMENT when it cannot be (counted by outcome)."""
+    resumes = core.metrics.resumes
+    if relay is None:
+        resumes.labels("not_found").inc()
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            "no request with this resume handle on this gateway: it was never started here, its client was gone "
+            f"for longer than the retention time ({core.config.resume_retention_s:g}s, --resume-retention-s), or "
+            "it finished and its events were delivered",
+        )
+    try:
+        relay.resume(outbox, request_id, next_token_index)
+    except ResumeError as e:
+        resumes.labels(e.code).inc()
+        code = grpc.StatusCode.NOT_FOUND if e.code == "not_found" else grpc.StatusCode.INVALID_ARGUMENT
+        raise RequestError(code, e.message) from None
+    resumes.labels("ok").inc()
 
 
 def error_response(
@@ -94,7 +154,7 @@ class Relay:
         request_id: str,
         start: pb.StartGeneration,
         model: str,
-        outbox: Outbox,
+        outbox: Outbox | None,
         timeout_s: float | None,
     ) -> None:
         self.core = core
@@ -102,12 +162,32 @@ class Relay:
         self.model = model
         self.outbox = outbox
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.start_request_id = request_id  # what a resume with an empty request_id uses
         self.request = wpb.WorkerServiceGenerateRequest(start=start)
-        self.request.start.request_id = core.worker_request_id()
+        self.base_id = core.worker_request_id()
+        self.request.start.request_id = self.base_id
         self.request.start.model = model
+        if not start.sampling_params.HasField("seed"):
+            # a failover must go on with the same randomness: fix the seed now (DESIGN §2)
+            self.request.start.sampling_params.seed = secrets.randbits(63)
         self.t0 = time.perf_counter()
         self.t_last = 0.0
-        self.num_tokens = 0
+        self.tokens: list[int] = []  # every output token sent to the client, in order
+        self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
+        self.failovers = 0
+        # the worker call in progress (None between attempts), and a move asked of it
+        self.call_worker: WorkerHandle | None = None
+        self._call_obj: grpc.aio.UnaryStreamCall | None = None
+        self._move: tuple[str, str] | None = None
+        self.t_progress = 0.0  # monotonic time of the current call's start or last event
+        # resumption
+        self.handle = ""
+        self.buffer: ReplayBuffer | None = None
+        if core.config.resume_retention_s > 0:
+            self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes)
+        self._expiry: asyncio.TimerHandle | None = None
+        self.on_takeover: Callable[[], None] | None = None
+        """Called when a resume on another stream takes this request over (its stream forgets it)."""
         # the prompt's size and the worker's queue time, for the ABORT event the gateway builds
         # itself: known up front for token ids, else from the worker's first delta
         self.prompt_tokens = len(start.prompt.token_ids.ids)
@@ -121,6 +201,10 @@ class Relay:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
     def start(self) -> asyncio.Task[None]:
         self.core.relays.add(self)
         self.core.metrics.in_flight.inc()
@@ -131,6 +215,23 @@ class Relay:
     def done(self) -> bool:
         return self.final_status is not None
 
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens sent to the client so far."""
+        return len(self.tokens)
+
+    @property
+    def moving(self) -> bool:
+        return self._move is not None
+
+    def move(self, reason: str, detail: str) -> None:
+        """Fail over now (``reason``: drain or stall): the worker call is cancelled (freeing the
+        request's KV there) and the request resubmitted elsewhere."""
+        if self._move is not None or self._call_obj is None or self.done:
+            return
+        self._move = (reason, detail)
+        self._call_obj.cancel()
+
     def cancel(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, message: str = "") -> None:
         """End the request now: CANCELLED sends a finished ABORT event, another code an error
         event. The worker call is cancelled, which frees the request's KV blocks."""
@@ -138,6 +239,68 @@ class Relay:
             return
         self._cancel = (code, message)
         self._task.cancel()
+
+    # ------------------------------------------------------------------ resumption
+
+    def client_gone(self, outbox: Outbox) -> None:
+        """The client stream behind ``outbox`` went away. A resumable request keeps running,
+        its events kept for a resume, for ``resume_retention_s``; any other is cancelled."""
+        if self.outbox is not outbox or self.done or self._cancel is not None:
+            return
+        buf = self.buffer
+        if not self.handle or buf is None or buf.lost is not None:
+            self.cancel()  # the client has no handle, or there is nothing to resume from
+            return
+        self.outbox = None
+        retention = self.core.config.resume_retention_s
+        self._expiry = asyncio.get_running_loop().call_later(retention, self._expire)
+        self.core.metrics.detached.inc()
+        self.log.info("client gone; request kept for a resume", tokens=self.num_tokens, retention_s=retention)
+
+    def _expire(self) -> None:
+        """Retention passed without a resume: cancel the request (its KV is freed), forget it."""
+        self._expiry = None
+        self.core.metrics.detached.dec()
+        self.log.info("resume retention passed; request dropped", running=not self.done)
+        self.cancel()
+        self._unregister("its retention time passed")
+
+    def resume(self, outbox: Outbox, request_id: str, next_token_index: int) -> None:
+        """Send the events from ``next_token_index`` on into ``outbox`` as ``request_id``, then
+        the live rest. ResumeError when that index is not a boundary or beyond what was produced."""
+        assert self.buffer is not None  # only buffered requests are registered
+        events = self.buffer.replay(next_token_index, request_id)
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+            self.core.metrics.detached.dec()
+        elif self.outbox is not None and self.outbox is not outbox:  # its old stream has not noticed yet
+            old, old_rid = self.outbox, self.request_id
+            old.put_final(
+                old_rid,
+                error_response(
+                    old_rid,
+                    grpc.StatusCode.ABORTED,
+                    "this request was resumed on another connection (ResumeGeneration)",
+                ),
+            )
+            if self.on_takeover is not None:
+                self.on_takeover()
+        self.outbox, self.request_id = outbox, request_id
+        self.on_takeover = None
+        self.log = self.log.bind(request_id=request_id)
+        for r in events:
+            outbox.put_replay(request_id, r)
+        self.log.info("resumed", next_token_index=next_token_index, replayed=len(events), done=self.done)
+        if self.done:
+            self._unregister("it finished and its events were delivered")
+
+    def _unregister(self, why: str) -> None:
+        if self.handle and self.core.resumable.get(self.handle) is self:
+            del self.core.resumable[self.handle]
+        if self.buffer is not None:
+            self.buffer.drop(why)
+            self.core.metrics.replay_bytes.set(self.core.replay_budget.used)
 
     async def _run(self) -> None:
         try:
@@ -158,6 +321,8 @@ class Relay:
             self._emit_error(grpc.StatusCode.INTERNAL, f"gateway error: {e!r}")
         finally:
             self._final_status("cancelled")  # no-op when already set
+            if self._expiry is None:  # else kept for a resume until it expires
+                self._unregister("it finished")
             self.core.admission.release()
             self.core.relays.discard(self)
             self.core.metrics.in_flight.dec()
@@ -166,72 +331,194 @@ class Relay:
                 "request finished",
                 status=self.final_status,
                 output_tokens=self.num_tokens,
+                failovers=self.failovers,
                 worker=self.worker.address if self.worker else None,
                 ms=round((time.perf_counter() - self.t0) * 1000, 1),
             )
 
     async def _attempts(self) -> None:
-        tried: set[WorkerHandle] = set()
+        # worker -> its channel when it failed this request: a worker restarted since (a new
+        # channel) may take the request again
+        excluded: dict[WorkerHandle, Any] = {}
         while True:
-            w = self.core.router.pick(self.model, frozenset(tried))
+            w = self._pick(excluded)
             if w is None:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"no healthy worker serves model {self.model!r} ({self.core.router.describe()}); retry shortly",
-                )
-            tried.add(w)
+                if not self.num_tokens:  # nothing sent yet: the client may simply retry
+                    raise RequestError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"no healthy worker serves model {self.model!r} ({self.core.router.describe()}); retry shortly",
+                    )
+                w = await self._wait_for_worker(excluded)
+            excluded[w] = w.channel
             self.worker = w
             w.in_flight += 1
             try:
-                if not await self._call(w):
-                    return
+                failed = await self._call(w)
             finally:
                 w.in_flight -= 1
+            if failed is None:
+                return
+            if self.num_tokens:
+                self._prepare_failover(w, *failed)
+
+    def _pick(self, excluded: dict[WorkerHandle, Any]) -> WorkerHandle | None:
+        out = frozenset(w for w, channel in excluded.items() if w.channel is channel)
+        return self.core.router.pick(self.model, out)
+
+    async def _wait_for_worker(self, excluded: dict[WorkerHandle, Any]) -> WorkerHandle:
+        """A healthy worker to fail over to, waiting up to ``failover_wait_s`` (within the
+        deadline) for one to come (back) up."""
+        t0 = time.monotonic()
+        until = t0 + self.core.config.failover_wait_s
+        if self.deadline is not None:
+            until = min(until, self.deadline)
+        while time.monotonic() < until:
+            await asyncio.sleep(0.05)
+            w = self._pick(excluded)
+            if w is not None:
+                return w
+        raise RequestError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no healthy worker to continue the request on within {time.monotonic() - t0:.1f}s "
+            f"({self.core.router.describe()}); {self.num_tokens} output tokens were delivered: "
+            "retry it (or resubmit the prompt plus those tokens)",
+        )
+
+    def _prepare_failover(self, w: WorkerHandle, reason: str, detail: str) -> None:
+        """Resubmit the request with what the client has as its continuation, or end it
+        UNAVAILABLE once it has failed over ``max_failovers`` times."""
+        cfg = self.core.config
+        if self.failovers >= cfg.max_failovers:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{detail}; {self.num_tokens} output tokens were delivered and the request had already moved "
+                f"{self.failovers} times (--max-failovers={cfg.max_failovers}): retry it",
+            )
+        self.failovers += 1
+        start = self.request.start
+        start.request_id = f"{self.base_id}.{self.failovers}"
+        cont = start.continuation
+        del cont.output_token_ids[:]
+        cont.output_token_ids.extend(self.tokens)
+        if self.spec is not None:
+            cont.speculation.CopyFrom(self.spec)
+        recomputed = self.prompt_tokens + self.num_tokens
+        m = self.core.metrics
+        m.failovers.labels(reason).inc()
+        m.failover_recomputed_tokens.inc(recomputed)
+        self.log.warning(
+            "failing over", worker=w.address, reason=reason, detail=detail, tokens=self.num_tokens, n=self.failovers
+        )
 
     # ------------------------------------------------------------------ one worker call
 
-    async def _call(self, w: WorkerHandle) -> bool:
-        """Run the request on ``w``; True when it should be retried on another worker."""
+    async def _call(self, w: WorkerHandle) -> tuple[str, str] | None:
+        """Run the request on ``w``; (reason, detail) when it should go on on another worker."""
         timeout = None
         if self.deadline is not None:
             timeout = self.deadline - time.monotonic()
             if timeout <= 0:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
+        self._move = None
         call = w.generate(self.request, timeout=timeout)
-        outbox, rid = self.outbox, self.request_id
+        self._call_obj, self.call_worker, self.t_progress = call, w, time.monotonic()
         try:
             async for resp in call:
+                self.t_progress = time.monotonic()
                 event = resp.event
-                event.request_id = rid
                 kind = event.WhichOneof("kind")
                 if kind == "delta":
-                    self._observe_delta(event.delta)
-                    if not outbox.put_delta(rid, resp):
-                        raise RequestError(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"the client is not reading this stream fast enough: more than "
-                            f"{outbox.max_buffered_tokens} tokens of this request were waiting to be sent; "
-                            "read the stream faster (or open more streams) and retry",
-                        )
+                    self._relay_delta(w, resp)
                 elif kind == "finished":
+                    if self.failovers:
+                        self._fix_timings(event.finished.timings)
                     self.core.metrics.observe_finished(event.finished)
                     self._final_status(_FINISH_STATUS.get(event.finished.finish_reason, "stop"))
-                    outbox.put_final(rid, resp)
-                    return False
+                    self._put_final(resp)
+                    return None
                 else:  # the worker sends errors as the call status, but pass one on if it comes
                     self._final_status(grpc.StatusCode.UNKNOWN.name.lower())
-                    outbox.put_final(rid, resp)
-                    return False
+                    self._put_final(resp)
+                    return None
         except grpc.aio.AioRpcError as e:
             return self._on_worker_error(w, e)
+        except asyncio.CancelledError:
+            if self._move is not None and not _being_cancelled():
+                return self._move  # move() cancelled the call: go on elsewhere
+            raise
         finally:
+            self._call_obj = self.call_worker = None
             if not call.done():
                 call.cancel()  # the worker aborts the request and frees its blocks
+        if self._move is not None:
+            return self._move
+        if self.num_tokens:
+            return "unavailable", f"worker {w.address} ended the request without a final event"
         raise RequestError(
             grpc.StatusCode.UNAVAILABLE, f"worker {w.address} ended the request without a final event; retry it"
         )
 
-    def _on_worker_error(self, w: WorkerHandle, e: grpc.aio.AioRpcError) -> bool:
+    def _relay_delta(self, w: WorkerHandle, resp: gspb.GenerateResponse) -> None:
+        """Pass one worker delta on: tokens the client already has are dropped (a failover
+        goes on at the next index), the first one carries the resume handle."""
+        d = resp.event.delta
+        sent = self.num_tokens
+        if d.first_token_index != sent:
+            if d.first_token_index > sent:
+                raise RequestError(
+                    grpc.StatusCode.INTERNAL,
+                    f"worker {w.address} sent tokens from index {d.first_token_index}, but {sent} were sent so far",
+                )
+            skip = sent - d.first_token_index
+            if skip >= len(d.token_ids):
+                return  # all duplicates
+            del d.token_ids[:skip]
+            if len(d.logprobs):
+                del d.logprobs[:skip]
+            d.first_token_index = sent
+        if d.HasField("speculation"):
+            self.spec = pb.SpeculationStats()
+            self.spec.CopyFrom(d.speculation)
+        self._observe_delta(d)
+        if not self.handle and self.buffer is not None:
+            self.handle = new_handle()
+            d.resume_handle = self.handle
+            self.core.resumable[self.handle] = self
+        self._put_delta(resp)
+
+    def _put_delta(self, resp: gspb.GenerateResponse) -> None:
+        rid = self.request_id
+        resp.event.request_id = rid
+        if self.buffer is not None and self.buffer.lost is None:
+            self.buffer.add_delta(resp)
+            self.core.metrics.replay_bytes.set(self.core.replay_budget.used)
+            if self.buffer.lost is not None:
+                self.log.warning("request no longer resumable", why=self.buffer.lost)
+        outbox = self.outbox
+        if outbox is not None and not outbox.put_delta(rid, resp):
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the client is not reading this stream fast enough: more than "
+                f"{outbox.max_buffered_tokens} tokens of this request were waiting to be sent; "
+                "read the stream faster (or open more streams) and retry",
+            )
+
+    def _put_final(self, resp: gspb.GenerateResponse) -> None:
+        rid = self.request_id
+        resp.event.request_id = rid
+        if self.outbox is not None:
+            self.outbox.put_final(rid, resp)
+        elif self.buffer is not None:  # nobody attached: kept for a resume
+            self.buffer.set_final(resp)
+
+    def _fix_timings(self, t: pb.Timings) -> None:
+        """After a failover the worker's timings start at its own arrival: report the whole
+        request's instead (queue time as the first worker saw it; the rest on the gateway's clock)."""
+        t.queue_ms = self.queue_ms
+        t.time_to_first_token_ms = (self.t_first - self.t0) * 1000 if self.t_first else 0.0
+        t.total_ms = (time.perf_counter() - self.t0) * 1000
+
+    def _on_worker_error(self, w: WorkerHandle, e: grpc.aio.AioRpcError) -> tuple[str, str] | None:
         code, details = e.code(), clip(e.details() or "", MAX_DETAILS_CHARS)
         S = grpc.StatusCode
         if code in (S.INTERNAL, S.UNAVAILABLE):
@@ -240,13 +527,10 @@ class Relay:
             self.core.router.report_failure(w, f"Generate failed: {details}")
             if self.num_tokens == 0:
                 self.log.warning("worker unavailable, retrying elsewhere", worker=w.address, details=details)
-                return True
-            raise RequestError(
-                S.UNAVAILABLE,
-                f"worker {w.address} became unavailable after {self.num_tokens} output tokens ({details}); "
-                "the request did not complete: retry it",
-            )
+            return "unavailable", f"worker {w.address} became unavailable ({details})"
         if code == S.CANCELLED:
+            if self.num_tokens:  # the worker stopped it (shutting down): go on elsewhere
+                return "unavailable", f"worker {w.address} stopped the request ({details})"
             raise RequestError(S.UNAVAILABLE, f"worker {w.address} stopped the request ({details}); retry it")
         if code == S.NOT_FOUND:
             raise RequestError(S.INVALID_ARGUMENT, details)
@@ -273,7 +557,7 @@ class Relay:
             for _ in range(n):
                 m.inter_token_latency.observe(gap)
         self.t_last = now
-        self.num_tokens += n
+        self.tokens.extend(delta.token_ids)
         m.generation_tokens.inc(n)
 
     def _final_status(self, status: str) -> None:
@@ -285,7 +569,7 @@ class Relay:
         self._final_status(code.name.lower())
         if code != grpc.StatusCode.INVALID_ARGUMENT:
             self.log.warning("request failed", code=code.name, message=message)
-        self.outbox.put_final(self.request_id, error_response(self.request_id, code, message))
+        self._put_final(error_response(self.request_id, code, message))
 
     def _emit_finished_abort(self) -> None:
         """The final ABORT of a request the gateway ended: the usage and timings known so far
@@ -302,7 +586,4 @@ class Relay:
             t.time_to_first_token_ms = (self.t_first - self.t0) * 1000
         t.total_ms = (time.perf_counter() - self.t0) * 1000
         self.core.metrics.observe_finished(finished)
-        self.outbox.put_final(
-            self.request_id,
-            gspb.GenerateResponse(event=pb.GenerationEvent(request_id=self.request_id, finished=finished)),
-        )
+        self._put_final(gspb.GenerateResponse(event=pb.GenerationEvent(request_id=self.request_id, finished=finished)))

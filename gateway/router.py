@@ -70,6 +70,7 @@ class WorkerHandle:
     last_error: str = NOT_POLLED
     last_poll: float = 0.0
     slow_polls: int = 0  # consecutive GetLoad timeouts
+    stalled_until: float = 0.0  # a request saw no progress on it: out of rotation until then (monotonic)
 
     def score(self) -> tuple[int, int, float]:
         """Lower is less loaded."""
@@ -134,6 +135,8 @@ class Router:
         self._task: asyncio.Task[None] | None = None
         self._tiebreak = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
+        self.watchers: list[Callable[[], None]] = []
+        """Called after every round of polls (the gateway's hang and drain detection for its requests)."""
 
     async def start(self) -> None:
         await self.poll_all()
@@ -180,6 +183,11 @@ class Router:
         while True:
             await asyncio.sleep(self.poll_interval_s)
             await self.poll_all()
+            for watch in self.watchers:
+                try:
+                    watch()
+                except Exception:  # a bug there must not stop the polling
+                    log.exception("watcher failed")
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
@@ -222,6 +230,9 @@ class Router:
         m.worker_running.labels(w.name).set(load.num_requests_running)
         m.worker_waiting.labels(w.name).set(load.num_requests_waiting)
         m.worker_tokens_per_second.labels(w.name).set(load.tokens_per_second)
+        if w.stalled_until > time.monotonic():
+            self._set_healthy(w, False, "a request made no progress on it (hung?)")
+            return
         self._set_healthy(w, not load.draining, "draining" if load.draining else "")
 
     def _set_healthy(self, w: WorkerHandle, healthy: bool, reason: str) -> None:
@@ -241,6 +252,12 @@ class Router:
 
     def report_failure(self, w: WorkerHandle, reason: str) -> None:
         """A call to ``w`` failed as if it were gone: out of rotation until a poll answers."""
+        self._set_healthy(w, False, reason)
+
+    def report_stall(self, w: WorkerHandle, for_s: float, reason: str) -> None:
+        """A request made no progress on ``w``: out of rotation for ``for_s`` seconds (its
+        polls may still answer while its engine hangs)."""
+        w.stalled_until = time.monotonic() + for_s
         self._set_healthy(w, False, reason)
 
     @property

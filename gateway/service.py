@@ -20,7 +20,7 @@ import structlog
 from google.protobuf.message import Message
 
 from draftwise.gateway.bidi import MultiplexedStream
-from draftwise.gateway.relay import Core, Relay, RequestError
+from draftwise.gateway.relay import Core, Relay, RequestError, resume_relay
 from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
 from draftwise.gateway.validate import parse_request, validate_start
@@ -63,6 +63,10 @@ class GenerateServicer:
     ) -> AsyncIterator[gspb.GenerateResponse]:
         core = self.core
         request = await self._parse(data, gspb.GenerateStreamRequest, context, "GenerateStream")
+        if request.HasField("resume"):
+            async for resp in self._resume(request, context):
+                yield resp
+            return
         start = request.start
         try:
             if core.draining:
@@ -84,20 +88,54 @@ class GenerateServicer:
         outbox = Outbox(core.config.max_buffered_tokens)
         relay = Relay(core, rid, start, model, outbox, context.time_remaining())
         relay.start()
+        async for resp in _events(relay, outbox, context):
+            yield resp
+
+    async def _resume(
+        self, request: gspb.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gspb.GenerateResponse]:
+        core, r = self.core, request.resume
+        relay = core.resumable.get(r.resume_handle)
+        outbox = Outbox(core.config.max_buffered_tokens)
         try:
-            while True:
-                resp = await outbox.get()
-                if resp is None:
-                    return
-                kind = resp.event.WhichOneof("kind")
-                if kind == "error":
-                    err = resp.event.error
-                    await context.abort(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message)
-                yield resp
-                if kind == "finished":
-                    return
-        finally:
-            relay.cancel()  # no-op once it ended; else the call went away: abort the request
+            if request.HasField("start"):
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "GenerateStreamRequest has both start and resume: set one"
+                )
+            if core.draining:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the server is shutting down; the request cannot be resumed here"
+                )
+            rid = r.request_id or (relay.start_request_id if relay is not None else "")
+            resume_relay(core, relay, outbox, rid, r.next_token_index)
+        except RequestError as e:
+            core.metrics.requests.labels(e.code.name.lower()).inc()
+            await context.abort(e.code, e.message)
+        assert relay is not None
+        relay.on_takeover = outbox.close
+        async for resp in _events(relay, outbox, context):
+            yield resp
+
+
+async def _events(
+    relay: Relay, outbox: Outbox, context: grpc.aio.ServicerContext
+) -> AsyncIterator[gspb.GenerateResponse]:
+    """The events of ``relay`` from ``outbox``, until its final one: an error ends the call
+    with its status. If the call goes away first, the request is kept for a resume (or aborted)."""
+    try:
+        while True:
+            resp = await outbox.get()
+            if resp is None:
+                return
+            kind = resp.event.WhichOneof("kind")
+            if kind == "error":
+                err = resp.event.error
+                await context.abort(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message)
+            yield resp
+            if kind == "finished":
+                return
+    finally:
+        relay.client_gone(outbox)  # no-op once it ended or moved to another call
 
     async def ListModels(  # noqa: N802
         self, data: bytes, context: grpc.aio.ServicerContext

@@ -62,6 +62,11 @@ class Outbox:
         self._queue.append(response)
         self._ready.set()
 
+    def put_replay(self, request_id: str, response: gspb.GenerateResponse) -> None:
+        """Queue a replayed event (a resume): never merged, never refused; live deltas that
+        follow start a new entry."""
+        self.put_final(request_id, response)
+
     def close(self) -> None:
         """No more events will come: ``get`` returns None once the queue is empty."""
         self._closed = True

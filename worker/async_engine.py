@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from draftwise.worker.engine import EngineDeadError, LLMEngine
-from draftwise.worker.outputs import RequestDelta, StepOutput
+from draftwise.worker.outputs import RequestDelta, SpecStats, StepOutput
 from draftwise.worker.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
@@ -145,6 +145,8 @@ class AsyncEngine:
         request_id: str,
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
+        continuation: Sequence[int] = (),
+        continuation_spec: SpecStats | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the deltas of one request. ValueError for a bad request, before any delta;
         RequestFailedError if the engine fails it; EngineDeadError if the engine stops."""
@@ -156,7 +158,14 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, sampling_params, prompt_token_ids=ids)
+            self.engine.add_request(
+                request_id,
+                prompt,
+                sampling_params,
+                prompt_token_ids=ids,
+                continuation=continuation,
+                continuation_spec=continuation_spec,
+            )
             self._streams[request_id] = stream
 
         try:

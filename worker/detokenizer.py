@@ -115,6 +115,16 @@ class IncrementalDetokenizer:
                     break
         return DetokenizerDelta("".join(released), self._stop_matched)
 
+    def prime(self, token_ids: Sequence[int]) -> str | None:
+        """Takes in output tokens that were produced (and their text sent) before, one at a time as
+        generation would, discarding the text they release: the state (window, held-back text) is
+        then the one the original run had, so later text continues its output exactly. Returns the
+        stop string that matched among them, or None."""
+        for token_id in token_ids:
+            if self.add_tokens([token_id]).stop_matched is not None:
+                break
+        return self._stop_matched
+
     def flush(self) -> str:
         """Generation ended for another reason: releases all held-back text, a trailing incomplete
         character as the tokenizer decodes it (a stop string in it still cuts it). Later calls give ""."""

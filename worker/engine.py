@@ -22,6 +22,7 @@ from draftwise.logs import ensure_logging
 from draftwise.worker import default_model_path
 from draftwise.worker.block_manager import BlockManager
 from draftwise.worker.config import EngineConfig
+from draftwise.worker.continuation import add_spec_counters, check_continuation
 from draftwise.worker.detokenizer import IncrementalDetokenizer
 from draftwise.worker.graph_runner import GraphConfig
 from draftwise.worker.kv_cache import KVCache, bytes_per_block
@@ -282,9 +283,17 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         prompt_token_ids: Sequence[int] | None = None,
+        continuation: Sequence[int] = (),
+        continuation_spec: SpecStats | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError (touching nothing) for a bad one,
-        EngineDeadError once the engine has stopped."""
+        EngineDeadError once the engine has stopped.
+
+        ``continuation``: output tokens the request already has (a failover resubmission).
+        They become its first output tokens, prefilled with the prompt, and count for
+        max_tokens, min_tokens, penalties and stop checks; the detokenizer reads them without
+        releasing text; the first delta has first_token_index = len(continuation).
+        ``continuation_spec``: their speculation counters, added to the request's own."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         params = sampling_params or SamplingParams()
@@ -307,6 +316,10 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        cont = check_continuation(
+            continuation, self.loaded.config.vocab_size, len(ids), self.max_model_len, max_tokens, eos_ids, params
+        )
         generator = None
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -320,22 +333,38 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             )
+            if cont and detok.prime(cont) is not None:
+                raise ValueError(
+                    f"continuation is already finished: its text contains the stop string {detok.stop_matched!r}"
+                )
         req = Request(
             request_id=request_id,
             prompt=text,
             prompt_token_ids=ids,
             sampling_params=params,
             max_tokens=max_tokens,
-            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+            eos_token_ids=eos_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             generator=generator,
             detokenizer=detok,
         )
+        if cont:
+            req.output_token_ids.extend(cont)
+            if params.logprobs is not None:  # not known here: the client has them already
+                req.output_logprobs.extend([None] * len(cont))
         if self.spec_method is not None and params.use_speculation:
             req.spec = self.policy.new_state(params.max_speculative_tokens)
+            if continuation_spec is not None:
+                add_spec_counters(req.spec, continuation_spec)
         self.requests[request_id] = req
         self.scheduler.add(req)
-        log.debug("request added", request_id=request_id, prompt_tokens=len(ids), max_tokens=max_tokens)
+        log.debug(
+            "request added",
+            request_id=request_id,
+            prompt_tokens=len(ids),
+            max_tokens=max_tokens,
+            continuation_tokens=len(cont),
+        )
         return req
 
     def encode_prompt(self, prompt: str) -> list[int]:

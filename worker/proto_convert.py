@@ -48,6 +48,19 @@ def prompt_from_proto(msg: pb.Prompt) -> str | list[int]:
     raise ValueError("prompt is empty: set prompt.text or prompt.token_ids")
 
 
+def continuation_from_proto(msg: pb.StartGeneration) -> tuple[list[int], SpecStats | None]:
+    """The output tokens a resubmitted request already has, and their speculation counters
+    (None when unset); ([], None) for a fresh request."""
+    if not msg.HasField("continuation"):
+        return [], None
+    c = msg.continuation
+    spec = None
+    if c.HasField("speculation"):
+        s = c.speculation
+        spec = SpecStats(s.proposed_tokens, s.accepted_tokens, s.verify_steps)
+    return list(c.output_token_ids), spec
+
+
 def _logprob(lp: TokenLogprobs | None) -> pb.TokenLogprob:
     if lp is None:
         return pb.TokenLogprob()

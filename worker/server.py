@@ -44,7 +44,12 @@ from draftwise.worker.config import EngineConfig
 from draftwise.worker.engine import LLMEngine
 from draftwise.worker.model_config import ModelLoadError
 from draftwise.worker.outputs import StepOutput
-from draftwise.worker.proto_convert import prompt_from_proto, responses_from_delta, sampling_params_from_proto
+from draftwise.worker.proto_convert import (
+    continuation_from_proto,
+    prompt_from_proto,
+    responses_from_delta,
+    sampling_params_from_proto,
+)
 
 log = structlog.get_logger("draftwise.worker")
 
@@ -123,12 +128,13 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         try:
             params = sampling_params_from_proto(start.sampling_params, start.speculation)
             prompt = prompt_from_proto(start.prompt)
+            continuation, continuation_spec = continuation_from_proto(start)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.in_flight += 1
         self._idle.clear()
         try:
-            stream = self.aengine.generate(rid, prompt, params)
+            stream = self.aengine.generate(rid, prompt, params, continuation, continuation_spec)
             try:
                 async for delta in stream:
                     for resp in responses_from_delta(delta):

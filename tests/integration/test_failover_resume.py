@@ -1,0 +1,255 @@
+"""Mid-stream failover and resumable streams with real processes: a worker killed (kill -9) or
+drained mid-stream moves its requests to another worker, and the client sees the undisturbed
+run's tokens and text with no error, gap or duplicate; the max-failovers limit; a client whose
+call went away resumes on a new channel and gets exactly the rest; past the retention time the
+request is cancelled (KV freed) and a resume gets NOT_FOUND."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import grpc
+import pytest
+
+from draftwise.v1 import generate_service_pb2 as gspb
+from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+from draftwise.v1 import generation_pb2 as pb
+from draftwise.v1 import worker_service_pb2 as wpb
+from draftwise.v1 import worker_service_pb2_grpc as wgrpc
+from draftwise.worker import SamplingParams
+from tests.integration.conftest import reference_outputs
+from tests.integration.procs import metrics_port, start_gateway, start_workers
+from tests.integration.rpc import Result, start, start_req, wait_workers_idle, worker_loads, worker_metadata
+
+N_TOKENS = 80
+GREEDY = {"max_tokens": N_TOKENS, "ignore_eos": True, "temperature": 0}
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "def quicksort(items):", "import os\n"]
+RETENTION_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def cluster(proc_dir):
+    workers = start_workers(3, proc_dir, prefix="fo")
+    gateways = []
+    try:
+        flags = ("--failover-wait-s=5", f"--resume-retention-s={RETENTION_S:g}")
+        gateways.append(start_gateway(workers, proc_dir, "gateway-fo", *flags))
+        gateways.append(start_gateway(workers, proc_dir, "gateway-fo0", "--max-failovers=0", *flags))
+    except BaseException:
+        for p in workers + gateways:
+            p.kill()
+        raise
+    yield workers, gateways[0], gateways[1]
+    for p in gateways + workers:
+        p.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_llm):
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    outs = reference_outputs(reference_llm, PROMPTS, params)
+    return {p: (o.outputs[0].token_ids, o.outputs[0].text) for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+def _counter(gateway, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(gateway)}/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def _busy_worker(workers):
+    """A worker with requests running."""
+    loads = await worker_loads([w.address for w in workers])
+    return next(w for w, lo in zip(workers, loads, strict=True) if lo.num_requests_running)
+
+
+async def _stream_with_disruption(gateway, disrupt) -> dict[str, Result]:
+    """All PROMPTS on one Generate stream; ``disrupt()`` once each has a few tokens."""
+    async with grpc.aio.insecure_channel(gateway.address) as ch:
+        call = gsgrpc.GenerateServiceStub(ch).Generate(timeout=120)
+        results = {p: Result(p) for p in PROMPTS}
+        for p in PROMPTS:
+            await call.write(start_req(start(p, p, **GREEDY)))
+        while not all(len(r.token_ids) >= 3 for r in results.values()):
+            ev = (await call.read()).event
+            results[ev.request_id].add(ev)
+        await disrupt()
+        await call.done_writing()
+        async for resp in call:
+            results[resp.event.request_id].add(resp.event)
+        assert await call.code() == grpc.StatusCode.OK
+    return results
+
+
+def _assert_undisturbed(results, reference):
+    for p, r in results.items():
+        assert r.kind == "finished", (p, r.final)
+        ids, text = reference[p]
+        assert r.token_ids == ids, p
+        assert r.text == text, p
+        usage = r.final.finished.usage
+        assert usage.completion_tokens == N_TOKENS and usage.prompt_tokens > 0
+
+
+def test_resume_on_a_new_channel_gets_exactly_the_rest(cluster, reference):
+    workers, gateway, _ = cluster
+    prompt = PROMPTS[0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(gateway.address) as ch:  # the first connection
+            call = gsgrpc.GenerateServiceStub(ch).GenerateStream(
+                gspb.GenerateStreamRequest(start=start("", prompt, **GREEDY)), timeout=60
+            )
+            first = Result("first")
+            handle = ""
+            while len(first.token_ids) < 5:
+                ev = (await call.read()).event
+                handle = handle or ev.delta.resume_handle
+                first.add(ev)
+            call.cancel()  # the connection "drops"
+        assert len(handle) >= 22  # 128 random bits, url-safe
+        async with grpc.aio.insecure_channel(gateway.address) as ch:  # a new one
+            stub = gsgrpc.GenerateServiceStub(ch)
+            resume = pb.ResumeGeneration(resume_handle=handle, next_token_index=len(first.token_ids))
+            rest = Result("rest")
+            rest.token_ids = list(first.token_ids)  # so that its index check continues
+            async for resp in stub.GenerateStream(gspb.GenerateStreamRequest(resume=resume), timeout=60):
+                rest.add(resp.event)
+            # over the multiplexed stream too, from 0, under another id: everything again
+            again = Result("again")
+            call = stub.Generate(timeout=60)
+            await call.write(gspb.GenerateRequest(resume=pb.ResumeGeneration(resume_handle=handle, request_id="again")))
+            await call.done_writing()
+            async for resp in call:
+                assert resp.event.request_id == "again"
+                again.add(resp.event)
+        return first, rest, again
+
+    first, rest, again = asyncio.run(main())
+    ids, text = reference[prompt]
+    assert rest.kind == "finished" and rest.token_ids == ids
+    assert first.text + rest.text == text
+    # the request finished and was delivered: the second resume finds nothing
+    assert again.code == grpc.StatusCode.NOT_FOUND and "resume handle" in again.final.error.message
+
+
+def test_resume_errors_and_retention(cluster):
+    workers, gateway, _ = cluster
+    addresses = [w.address for w in workers]
+
+    async def main():
+        await wait_workers_idle(addresses, timeout=30)
+        async with grpc.aio.insecure_channel(gateway.address) as ch:
+            stub = gsgrpc.GenerateServiceStub(ch)
+            call = stub.Generate(timeout=60)
+            await call.write(start_req(start("r", PROMPTS[1], max_tokens=400, ignore_eos=True, temperature=0)))
+            got, handle, sizes = Result("r"), "", []
+            while len(got.token_ids) < 4:
+                ev = (await call.read()).event
+                handle = handle or ev.delta.resume_handle
+                got.add(ev)
+                sizes.append(len(ev.delta.token_ids))
+            call.cancel()
+        codes = {}
+        async with grpc.aio.insecure_channel(gateway.address) as ch:
+            stub = gsgrpc.GenerateServiceStub(ch)
+            for name, resume in {
+                "unknown": pb.ResumeGeneration(resume_handle="x" * 22),
+                "beyond": pb.ResumeGeneration(resume_handle=handle, next_token_index=100000),
+            }.items():
+                try:
+                    await stub.GenerateStream(gspb.GenerateStreamRequest(resume=resume), timeout=10).read()
+                    codes[name] = (grpc.StatusCode.OK, "")
+                except grpc.aio.AioRpcError as e:
+                    codes[name] = (e.code(), e.details())
+            held = await worker_loads(addresses)
+            await asyncio.sleep(RETENTION_S + 1.0)  # the retention passes: cancelled, KV freed
+            idle_s = await wait_workers_idle(addresses, timeout=5)
+            try:
+                resume = pb.ResumeGeneration(resume_handle=handle, next_token_index=len(got.token_ids))
+                await stub.GenerateStream(gspb.GenerateStreamRequest(resume=resume), timeout=10).read()
+                codes["expired"] = (grpc.StatusCode.OK, "")
+            except grpc.aio.AioRpcError as e:
+                codes["expired"] = (e.code(), e.details())
+        return codes, held, idle_s
+
+    codes, held, idle_s = asyncio.run(main())
+    assert any(lo.num_requests_running for lo in held)  # still running while within retention
+    assert idle_s < 5
+    assert codes["unknown"][0] == grpc.StatusCode.NOT_FOUND
+    assert codes["beyond"][0] == grpc.StatusCode.INVALID_ARGUMENT and "beyond" in codes["beyond"][1]
+    assert codes["expired"][0] == grpc.StatusCode.NOT_FOUND and "retention" in codes["expired"][1]
+
+
+def test_drain_moves_requests(cluster, reference):
+    workers, gateway, _ = cluster
+    drained = []
+
+    async def disrupt():
+        w = await _busy_worker(workers)
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            await wgrpc.WorkerServiceStub(ch).Drain(wpb.DrainRequest(), timeout=5, metadata=worker_metadata())
+        drained.append(w)
+
+    before = _counter(gateway, "draftwise_failovers_total")
+    try:
+        results = asyncio.run(_stream_with_disruption(gateway, disrupt))
+        _assert_undisturbed(results, reference)
+        assert _counter(gateway, "draftwise_failovers_total") > before
+        assert _counter(gateway, "draftwise_failover_recomputed_tokens_total") > 0
+    finally:
+        for w in drained:
+            asyncio.run(_undrain(w))
+
+
+async def _undrain(w):
+    async with grpc.aio.insecure_channel(w.address) as ch:
+        await wgrpc.WorkerServiceStub(ch).Drain(wpb.DrainRequest(resume=True), timeout=5, metadata=worker_metadata())
+    await asyncio.sleep(1.5)  # the gateways' polls see it again
+
+
+def test_max_failovers_ends_unavailable_saying_tokens_delivered(cluster):
+    workers, _, gateway0 = cluster
+    drained = []
+
+    async def main():
+        async with grpc.aio.insecure_channel(gateway0.address) as ch:
+            call = gsgrpc.GenerateServiceStub(ch).GenerateStream(
+                gspb.GenerateStreamRequest(start=start("", PROMPTS[2], **GREEDY)), timeout=60
+            )
+            got = Result("x")
+            while len(got.token_ids) < 3:
+                got.add((await call.read()).event)
+            w = await _busy_worker(workers)
+            async with grpc.aio.insecure_channel(w.address) as wch:
+                await wgrpc.WorkerServiceStub(wch).Drain(wpb.DrainRequest(), timeout=5, metadata=worker_metadata())
+            drained.append(w)
+            try:
+                async for resp in call:
+                    got.add(resp.event)
+                return grpc.StatusCode.OK, "", got
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details(), got
+
+    try:
+        code, details, got = asyncio.run(main())
+    finally:
+        for w in drained:
+            asyncio.run(_undrain(w))
+    assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+    n = len(got.token_ids)
+    assert 0 < n < N_TOKENS and f"{n} output tokens were delivered" in details and "--max-failovers=0" in details
+
+
+def test_kill_9_mid_stream_continues_token_for_token(cluster, reference):
+    """Last: it kills a worker."""
+    workers, gateway, _ = cluster
+
+    async def disrupt():
+        (await _busy_worker(workers)).kill()
+
+    before = _counter(gateway, "draftwise_failovers_total")
+    results = asyncio.run(_stream_with_disruption(gateway, disrupt))
+    _assert_undisturbed(results, reference)
+    assert _counter(gateway, "draftwise_failovers_total") > before
