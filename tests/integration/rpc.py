@@ -124,3 +124,16 @@ async def wait_workers_idle(addresses: Sequence[str], timeout: float = 5.0) -> f
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"workers not idle after {timeout} s: {loads}")
         await asyncio.sleep(0.01)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The gateway's Prometheus metrics on 127.0.0.1:``port``: {'name{labels}': value}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

@@ -13,8 +13,8 @@ import pytest
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
-from tests.integration.procs import start_gateway
-from tests.integration.rpc import Result, run_stream, start, start_req, wait_workers_idle
+from tests.integration.procs import metrics_port, start_gateway
+from tests.integration.rpc import Result, run_stream, scrape_metrics, start, start_req, wait_workers_idle
 
 # A slow reader's requests: many large deltas (top-20 logprobs per token), more than the
 # HTTP/2 flow-control window holds, so the gateway has to queue (and coalesce) them.
@@ -73,6 +73,19 @@ def test_a_client_that_stops_reading_does_not_slow_other_streams(gateway, worker
     print(f"ITL {base * 1e3:.1f} ms (slow client reading) vs {stalled * 1e3:.1f} ms (stalled)")
 
 
+def _finished(port: int) -> float:
+    """Requests the gateway has ended so far, whatever their status."""
+    return sum(v for k, v in scrape_metrics(port).items() if k.startswith("draftwise_requests_total{"))
+
+
+async def _until_finished(port: int, count: float, timeout: float = 300.0) -> None:
+    """Wait until the gateway has ended ``count`` requests (each sent its final event)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await asyncio.to_thread(_finished, port) < count:
+        assert asyncio.get_running_loop().time() < deadline, "the requests did not end"
+        await asyncio.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def tight_gateway(workers, proc_dir):
     g = start_gateway(workers, proc_dir, "gateway-tight", "--max-buffered-tokens=16")
@@ -81,7 +94,10 @@ def tight_gateway(workers, proc_dir):
 
 
 def test_past_the_bound_a_slow_readers_requests_get_resource_exhausted(tight_gateway, workers):
+    port = metrics_port(tight_gateway)
+
     async def main():
+        before = await asyncio.to_thread(_finished, port)
         async with grpc.aio.insecure_channel(tight_gateway.address, options=NO_BDP) as ch:
             stub = gsgrpc.GenerateServiceStub(ch)
             bidi = stub.Generate(timeout=120)
@@ -92,7 +108,9 @@ def test_past_the_bound_a_slow_readers_requests_get_resource_exhausted(tight_gat
             single = stub.GenerateStream(
                 gspb.GenerateStreamRequest(start=start("", "import sys", **{**SLOW, "max_tokens": 450})), timeout=120
             )
-            await asyncio.sleep(6)  # read nothing for a while
+            # read nothing until every request has ended at the gateway: however slowly tokens
+            # come, the unread deltas pass the bound once the stream's window is full
+            await _until_finished(port, before + 5)
             results = await _read_all(bidi)
             code, n = grpc.StatusCode.OK, 0
             try:

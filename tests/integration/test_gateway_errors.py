@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -21,7 +20,7 @@ from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from tests.integration.procs import metrics_port, start_gateway, start_workers
-from tests.integration.rpc import Result, cancel_req, start, start_req, wait_workers_idle
+from tests.integration.rpc import Result, cancel_req, scrape_metrics, start, start_req, wait_workers_idle
 
 SERVICE = "/draftwise.v1.GenerateService/"
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 0}
@@ -29,13 +28,7 @@ OK = {"max_tokens": 4, "temperature": 0}
 
 
 def _scrape(gateway) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(gateway)}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return scrape_metrics(metrics_port(gateway))
 
 
 def _garbage(rng: random.Random, message_type: type, n: int) -> list[bytes]:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    for name in ["pyproject.toml", "README.md"]:
+    for name in ["pyproject.toml", "README.md", "LICENSE"]:
         shutil.copy(ROOT / name, src / name)
     for name in ["draftwise", "worker", "kernels", "gateway", "proto"]:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -96,3 +96,14 @@ def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
     first, rest = res.stdout.split("\n", 1)
     assert first.startswith(str(target)), first  # ran from the installed copy
     assert rest.startswith("def fibonacci(n):") and len(rest) > len("def fibonacci(n):") + 10
+
+
+def test_wheel_metadata_license_and_optional_triton(wheel):
+    """SPDX license with its file; triton only in the gpu and test extras (a CPU install skips it)."""
+    z = zipfile.ZipFile(wheel)
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    text = z.read(meta).decode()
+    assert "License-Expression: Apache-2.0" in text
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in z.namelist())
+    requires = [line for line in text.splitlines() if line.startswith("Requires-Dist: triton")]
+    assert requires and all("extra ==" in line for line in requires), requires
