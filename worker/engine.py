@@ -320,10 +320,9 @@ class LLMEngine:
         cont = check_continuation(
             continuation, self.loaded.config.vocab_size, len(ids), self.max_model_len, max_tokens, eos_ids, params
         )
-        generator = None
+        seed = None  # keys the request's randomness with each token's position
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -345,7 +344,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=eos_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            generator=generator,
+            seed=seed,
             detokenizer=detok,
         )
         if cont:
@@ -804,7 +803,9 @@ class LLMEngine:
             [r.spec_draft_ids for r in reqs],
             _stack_q([draft_q.get(r.request_id) for r in reqs], [r.spec_draft_ids for r in reqs], p),
             [r.sampling_params.is_greedy for r in reqs],
-            [r.generator for r in reqs],
+            [r.seed for r in reqs],
+            [r.num_tokens for r in reqs],  # the position of each request's first draft
+            [r.sampling_params.seed is not None for r in reqs],  # seeded: Gumbel coupling, output as plain sampling
         )
         out = []
         base = 0

@@ -1,4 +1,4 @@
-"""A request owns its state: tokens, block table, progress, sampling parameters, RNG,
+"""A request owns its state: tokens, block table, progress, sampling parameters, seed,
 detokenizer and timings."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import torch
 
 from draftwise.worker.sampler import SamplingRow
 from draftwise.worker.sampling_params import SamplingParams
@@ -45,7 +43,7 @@ class Request:
     max_tokens: int  # effective cap on output tokens (params.max_tokens or what the context allows)
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (ignored with ignore_eos)
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None  # this request's RNG (None for greedy)
+    seed: int | None = None  # keys this request's randomness with each token's position (None for greedy)
     detokenizer: IncrementalDetokenizer | None = None  # None when the engine runs without a tokenizer
 
     status: RequestStatus = RequestStatus.WAITING
@@ -92,7 +90,7 @@ class Request:
         (speculative decoding shapes each draft position's p and q this way)."""
         return SamplingRow(
             params=self.sampling_params,
-            generator=self.generator,
+            seed=self.seed,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=self.output_token_ids + list(drafts) if drafts else self.output_token_ids,
             eos_token_ids=self.eos_token_ids,

@@ -1,9 +1,12 @@
 """From a batch of logits to next tokens.
 
 Order, as in vLLM: penalties -> min_tokens mask -> (greedy rows: argmax) -> temperature ->
-top-k -> top-p -> min-p -> sample. Every row draws its randomness from ITS OWN
-``torch.Generator``, a fixed amount per step (one Exp(1) variate per vocab entry), so a
-seeded request produces the same tokens whatever else shares its batch, in any position.
+top-k -> top-p -> min-p -> sample. Sampling is an exponential race, ``argmax(p / E)`` with
+one Exp(1) variate per vocabulary entry (the Gumbel-max trick in another form), and the
+``E`` of a row are keyed by (the request's seed, the absolute position of the token drawn)
+(:mod:`draftwise.worker.keyed_random`): one batched computation for all rows, and a seeded
+request produces the same tokens whatever else shares its batch, whatever speculation did
+before, on whichever worker.
 
 :func:`processed_probs` exposes the distribution actually sampled from, so that
 speculative decoding can build its p (target) and q (draft) exactly the same way.
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.worker.keyed_random import STREAM_DRAFT, STREAM_SAMPLE, keyed_exponential
 from draftwise.worker.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -27,14 +31,19 @@ class SamplingRow:
 
     params: SamplingParams
     """The request's sampling parameters."""
-    generator: torch.Generator | None
-    """The request's own RNG, on the logits' device; None only for greedy rows."""
+    seed: int | None
+    """The request's seed (params.seed, or one drawn at random when it came without); None only for greedy rows."""
     prompt_token_ids: Sequence[int]
     """Prompt tokens (repetition penalty looks at these and the output)."""
     output_token_ids: Sequence[int]
     """Tokens generated so far (all penalties and min_tokens look at these)."""
     eos_token_ids: Sequence[int] = ()
     """The model's EOS ids: masked, with params.stop_token_ids, until min_tokens are out (unless ignore_eos)."""
+
+    @property
+    def position(self) -> int:
+        """The absolute position of the token this row draws: prompt plus output length."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass(frozen=True)
@@ -59,16 +68,6 @@ class SamplerOutput:
     """The next token of each row."""
     logprobs: list[TokenLogprobs | None]
     """Per row: None unless the row's params.logprobs is set."""
-
-
-def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's own generator on ``device``: seeded, or from a non-deterministic seed when ``seed`` is None."""
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
 
 
 def _token_counts(
@@ -253,8 +252,8 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         for i, r in enumerate(rows):
-            if r.generator is None and not r.params.is_greedy:
-                raise ValueError(f"row {i} samples (temperature {r.params.temperature}) but has no generator")
+            if r.seed is None and not r.params.is_greedy:
+                raise ValueError(f"row {i} samples (temperature {r.params.temperature}) but has no seed")
         if all(r.params.is_greedy for r in rows):  # fast path: no distribution to build
             token_ids = apply_min_tokens(apply_penalties(logits.float(), rows), rows).argmax(dim=-1)
         else:
@@ -267,16 +266,49 @@ class Sampler:
 def sample_from_probs(
     probs: torch.Tensor,  # [num_rows, vocab]
     rows: Sequence[SamplingRow],
+    draft: bool = False,
 ) -> torch.Tensor:  # [num_rows] int64
     """Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i.
-    Each sampling row draws its E from its own generator; greedy rows (one-hot p) draw nothing."""
-    noise = torch.ones_like(probs)  # [num_rows, vocab]
-    for i, r in enumerate(rows):
-        if not r.params.is_greedy:
-            noise[i].exponential_(generator=r.generator)
-    # Exp(1) can come out as exactly 0; 0/0 would be NaN and win the argmax.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    Each sampling row's E is keyed by (its seed, its position): the target's stream, or with
+    ``draft`` the draft's stream for rows without ``params.seed`` (their drafts are verified
+    by rejection sampling, which needs draws independent of the target's); seeded rows draft
+    with the target's own noise (Gumbel coupling). Greedy rows (one-hot p) draw nothing."""
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if not sampled:
+        return probs.argmax(dim=-1)
+    noise = keyed_noise(probs, [rows[i] for i in sampled], draft)  # [len(sampled), vocab]
+    if len(sampled) < len(rows):
+        full = torch.ones_like(probs)  # [num_rows, vocab]
+        full[torch.tensor(sampled, device=probs.device)] = noise
+        noise = full
     return (probs / noise).argmax(dim=-1)
+
+
+def keyed_noise(
+    probs: torch.Tensor,  # [num_rows, vocab]: for shape, dtype and device
+    rows: Sequence[SamplingRow],  # sampling rows only (each with a seed)
+    draft: bool = False,
+) -> torch.Tensor:  # [num_rows, vocab], probs' dtype, >= the smallest normal float
+    """The rows' Exp(1) noise at their positions (see :func:`sample_from_probs` for ``draft``),
+    clamped away from 0 (an exact 0 would make 0/0 = NaN win the race)."""
+    seeds: list[int] = []
+    for i, r in enumerate(rows):
+        if r.seed is None:
+            raise ValueError(f"row {i} samples (temperature {r.params.temperature}) but has no seed")
+        seeds.append(r.seed)
+    vocab, device = probs.shape[1], probs.device
+    streams = [STREAM_DRAFT if draft and r.params.seed is None else STREAM_SAMPLE for r in rows]
+    if len(set(streams)) <= 1:
+        noise = keyed_exponential(seeds, [r.position for r in rows], streams[0] if rows else 0, vocab, device)
+    else:  # a draft step mixing seeded and unseeded rows: each group from its own stream
+        noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+        for stream in (STREAM_SAMPLE, STREAM_DRAFT):
+            idx = [i for i, st in enumerate(streams) if st == stream]
+            noise[torch.tensor(idx, device=device)] = keyed_exponential(
+                [seeds[i] for i in idx], [rows[i].position for i in idx], stream, vocab, device
+            )
+    noise = noise.to(probs.dtype)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def token_logprobs(

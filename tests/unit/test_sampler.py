@@ -18,7 +18,6 @@ from draftwise.worker.sampler import (
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
-    new_generator,
     processed_probs,
 )
 from draftwise.worker.sampling_params import SamplingParams
@@ -33,11 +32,14 @@ def row(
     eos: Sequence[int] = (),
     **kw: Any,
 ) -> SamplingRow:
-    """A row with its own generator (None for greedy rows)."""
+    """A row with its own seed (None for greedy rows)."""
     p = params if params is not None else SamplingParams(**kw)
-    gen = None if p.is_greedy else new_generator(seed)
     return SamplingRow(
-        params=p, generator=gen, prompt_token_ids=list(prompt), output_token_ids=list(output), eos_token_ids=eos
+        params=p,
+        seed=None if p.is_greedy else seed,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        eos_token_ids=eos,
     )
 
 
@@ -51,7 +53,7 @@ def support(probs: torch.Tensor) -> set[int]:  # probs: [vocab]
 def test_greedy_rows_take_the_argmax() -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))  # [6, 50]
     rows = [row(temperature=0.0, top_k=3, top_p=0.1, min_p=0.5) for _ in range(6)]
-    assert all(r.generator is None for r in rows)
+    assert all(r.seed is None for r in rows)
     out = Sampler()(logits, rows)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
@@ -266,8 +268,8 @@ def _a_logits(step: int) -> torch.Tensor:  # [VOCAB]; the seeded row's logits de
 
 def _run(layout: list[str], steps: int = 25, seed_a: int = 1234) -> dict[str, list[int]]:
     """Decode ``steps`` tokens for the rows named in ``layout``, in that order. 'A' and 'A2' are
-    the seeded request (two copies, each with its own generator); 'B' seeded differently; 'C'
-    unseeded; 'D' greedy without a generator. Only A's logits are reproducible."""
+    the seeded request (two copies); 'B' seeded differently; 'C' unseeded (a random seed);
+    'D' greedy without a seed. Only A's logits are reproducible."""
     params = {
         "A": SEEDED,
         "A2": SEEDED,
@@ -275,14 +277,13 @@ def _run(layout: list[str], steps: int = 25, seed_a: int = 1234) -> dict[str, li
         "C": SamplingParams(temperature=0.7, min_p=0.1),
         "D": SamplingParams(temperature=0.0, frequency_penalty=1.0),
     }
-    seeds = {"A": seed_a, "A2": seed_a, "B": 5, "C": None}
-    gens = {name: new_generator(seeds[name]) if name in seeds else None for name in layout}
+    seeds = {"A": seed_a, "A2": seed_a, "B": 5, "C": int(torch.randint(2**62, ())), "D": None}
     outputs: dict[str, list[int]] = {name: [] for name in layout}
     prompts = {name: [1, 2, 3] for name in layout}
     sampler = Sampler()
     for step in range(steps):
         logits = torch.stack([_a_logits(step) if name.startswith("A") else 3.0 * torch.randn(VOCAB) for name in layout])
-        rows = [SamplingRow(params[n], gens[n], prompts[n], outputs[n], eos_token_ids=(0,)) for n in layout]
+        rows = [SamplingRow(params[n], seeds[n], prompts[n], outputs[n], eos_token_ids=(0,)) for n in layout]
         for name, tok in zip(layout, sampler(logits, rows).token_ids, strict=True):
             outputs[name].append(tok)
     return outputs
@@ -345,9 +346,9 @@ def test_rank_counts_only_strictly_more_likely_tokens() -> None:
 # ------------------------------------------------------------------------ errors, edges
 
 
-def test_sampled_row_without_generator_is_refused() -> None:
+def test_sampled_row_without_seed_is_refused() -> None:
     r = SamplingRow(SamplingParams(temperature=0.8), None, [1], [])
-    with pytest.raises(ValueError, match="no generator"):
+    with pytest.raises(ValueError, match="no seed"):
         Sampler()(torch.zeros(1, 4), [r])
 
 
@@ -386,14 +387,14 @@ def test_bfloat16_logits_are_accepted() -> None:
 
 # ------------------------------------------------------------------------ statistics
 #
-# Every case draws N samples in one batch of N identical rows. The rows share one seeded
-# generator: the sampler draws each row's noise from it in turn, so the N draws are i.i.d.,
-# and a fixed seed makes every run of this test see exactly the same samples. The counts are
+# Every case draws N samples in one batch of N identical rows with the seeds base, base + 1,
+# ...: the keyed noise of different seeds is independent, so the N draws are i.i.d. across
+# seeds, and fixed seeds make every run of this test see exactly the same samples. The counts are
 # compared with the intended distribution, computed independently below in float64 numpy,
 # by a chi-square goodness-of-fit test that rejects at p < 1e-3. For a correct sampler the
 # chance that a given seed lands in the rejection region is 0.1% per case; since the seeds
 # are fixed, the outcome is decided once (it passed when written) and cannot flake -- only a
-# change to the sampler, or a torch release that changes the generator's stream, can move it.
+# change to the sampler or to the keyed noise can move it.
 # Tokens the intended distribution excludes must not be drawn at all.
 
 N = 20_000
@@ -432,10 +433,10 @@ def reference(
 
 
 def draw(params: SamplingParams, logits: Sequence[float] = LOGITS10, **row_kw: Any) -> np.ndarray:  # [vocab] counts
-    gen = new_generator(params.seed if params.seed is not None else 0)
+    base = N * (params.seed if params.seed is not None else 0)
     batch = torch.tensor([list(logits)] * N)  # [N, vocab]
     kw = {"prompt_token_ids": (), "output_token_ids": (), **row_kw}
-    rows = [SamplingRow(params, gen, **kw) for _ in range(N)]
+    rows = [SamplingRow(params, base + i, **kw) for i in range(N)]
     tokens = Sampler()(batch, rows).token_ids
     return np.bincount(tokens, minlength=len(logits))
 
@@ -470,7 +471,7 @@ STAT_CASES = {
 def test_sampled_distribution_matches(case: str) -> None:
     params, expected, expected_support = STAT_CASES[case]
     assert set(np.nonzero(expected)[0].tolist()) == expected_support  # the reference itself, pinned
-    probs = processed_probs(torch.tensor([LOGITS10]), [SamplingRow(params, new_generator(0), (), ())])[0]
+    probs = processed_probs(torch.tensor([LOGITS10]), [SamplingRow(params, 0, (), ())])[0]
     np.testing.assert_allclose(probs.double().numpy(), expected, atol=1e-6)
     counts = draw(params)
     p = chi_square_p(counts, expected)
@@ -494,7 +495,7 @@ def test_sampled_distribution_matches_for_a_combination_with_penalties() -> None
     expected = reference(penalised, 0.9, top_k=7, top_p=0.85, min_p=0.3)
     assert set(np.nonzero(expected)[0].tolist()) == {0, 1, 2, 3}
     row_kw = {"prompt_token_ids": [2, 6], "output_token_ids": [0, 0]}
-    probs = processed_probs(torch.tensor([LOGITS10]), [SamplingRow(params, new_generator(0), **row_kw)])[0]
+    probs = processed_probs(torch.tensor([LOGITS10]), [SamplingRow(params, 0, **row_kw)])[0]
     np.testing.assert_allclose(probs.double().numpy(), expected, atol=1e-6)
     p = chi_square_p(draw(params, **row_kw), expected)
     assert p >= ALPHA, f"chi-square p = {p:.2e}"

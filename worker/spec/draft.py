@@ -19,7 +19,10 @@ forgotten: their slots are overwritten later) and gives back blocks beyond.
 q_j is built by :func:`~draftwise.worker.sampler.processed_probs` from the request's own
 SamplingParams, over the output *including the drafts before j*, exactly as the engine
 builds the target's p_j, so penalties, min_tokens, temperature, top-k/p and min-p shape both
-the same way. Draft tokens are drawn from the request's own generator.
+the same way. Draft tokens are drawn with keyed noise at their positions
+(:func:`~draftwise.worker.sampler.sample_from_probs` with ``draft=True``): a seeded request
+proposes with the target's own noise (so that its drafts agree with the target's keyed
+choices as often as the two distributions allow), the others from the draft's own stream.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class DraftModelProposer:
             logits = torch.nn.functional.pad(logits.float(), (0, self.target_vocab - logits.shape[1]), value=-torch.inf)
         rows = [r.sampling_row(d) for r, d in zip(reqs, drafts, strict=True)]
         q = processed_probs(logits, rows)  # [n, target vocab]
-        toks = sample_from_probs(q, rows)  # greedy rows: q is one-hot, nothing is drawn
+        toks = sample_from_probs(q, rows, draft=True)  # greedy rows: q is one-hot, nothing is drawn
         return q, [int(t) for t in toks.tolist()]
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> DraftProposal:

@@ -10,7 +10,7 @@ had sampled them one at a time:
   rejection draw the *recovered* token from ``normalize(max(0, p - q))`` and stop; if all
   ``k_i`` are accepted draw a *bonus* token from ``p_k`` (the last position).
 - **greedy rows**: accept while the draft token equals ``argmax p``; then emit ``argmax p``
-  (at the first mismatch, or at the bonus position). The RNG is not touched.
+  (at the first mismatch, or at the bonus position). No randomness is used.
 
 Edge cases follow from the rule and are handled exactly: ``q(x) = 0 < p(x)`` accepts (infinite
 ratio), ``p(x) = 0`` always rejects (also when ``q(x) = 0``), ``p == q`` always accepts,
@@ -26,17 +26,29 @@ penalties and ``min_tokens``, the same output tokens up to each position), so th
 temperature, top-k, top-p, min-p, penalties and masks act on the draft exactly as on the
 target. The guarantee is "distributed as the target's *processed* distribution".
 
-**Randomness** is per request, from the request's own ``torch.Generator`` (on the probs'
-device), always in the same amount and order: ``k_i`` uniforms (one per draft position,
-whether or not it is reached), then one Exp(1) variate per vocabulary entry for the final
-token (recovered or bonus), drawn as :class:`~draftwise.worker.sampler.Sampler` draws them.
-A seeded request therefore produces the same tokens whatever else shares its batch, and
-with ``k_i = 0`` it draws exactly the token the plain sampler would.
+**Seeded requests** (``coupled``: the request set ``SamplingParams.seed``) are verified by
+Gumbel coupling instead: the target's choice at position ``t`` is its keyed race
+``argmax(p_t / E(seed, t))``, exactly the token plain sampling would pick there; a draft token
+is accepted iff it equals that choice; the first mismatch, or the bonus position, emits the
+target's choice. The output is then token for token the plain seeded output, whatever k, the
+batch or the worker (the draft model proposes with the same ``E``, so it agrees often; any
+proposer is exact). These rows take the greedy rule on the race scores ``p / E``.
+
+**Randomness** is keyed (:mod:`draftwise.worker.keyed_random`): every number used for the
+token at absolute position ``t`` of a request is a pure function of (its seed, ``t``): the
+accept test's uniform ``U(seed, t)`` (stream ACCEPT), and the race noise ``E(seed, t)``
+(stream SAMPLE) of the target's draw there (the recovered or bonus token of a rejection
+sampling row sits at ``t = position + num_accepted``; the draft model draws its proposals for
+such rows from the separate DRAFT stream, so ``x``, ``U`` and ``E`` are independent, as
+exactness needs). Each position is decided once, so no number is ever reused.
 
 The accept-and-resample step itself runs on padded tensors through the dispatch point
 (``dispatch.impl("rejection_accept", device)``): a Triton kernel on CUDA, its torch twin
-:func:`draftwise.kernels.reference.rejection_accept` elsewhere. This module draws the
-randomness and pads the batch; an all-greedy batch takes a shortcut that needs neither.
+:func:`draftwise.kernels.reference.rejection_accept` elsewhere. With rejection-sampling rows
+it runs twice: once for the number of accepted drafts (the noise is not used for that), then,
+with the noise keyed at each row's final position, for the final token. This module draws the
+randomness and pads the batch; a batch without rejection-sampling rows takes a shortcut that
+needs neither.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.kernels import dispatch
+from draftwise.worker.keyed_random import STREAM_ACCEPT, STREAM_SAMPLE, keyed_exponential, keyed_uniform
 
 __all__ = ["RejectionOutput", "rejection_sample"]
 
@@ -67,14 +80,16 @@ def _check_inputs(
     draft_token_ids: Sequence[Sequence[int]],
     draft_probs: torch.Tensor | None,  # [sum(k_i), vocab]
     greedy: Sequence[bool],
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    coupled: Sequence[bool],
 ) -> list[int]:
     """Validate shapes and per-request arguments; return each request's k_i."""
     num_reqs = len(draft_token_ids)
-    if len(greedy) != num_reqs or len(generators) != num_reqs:
+    if not len(greedy) == len(seeds) == len(positions) == len(coupled) == num_reqs:
         raise ValueError(
-            f"draft_token_ids, greedy and generators must have one entry per request, "
-            f"got {num_reqs}, {len(greedy)} and {len(generators)}"
+            f"draft_token_ids, greedy, seeds, positions and coupled must have one entry per request, "
+            f"got {num_reqs}, {len(greedy)}, {len(seeds)}, {len(positions)} and {len(coupled)}"
         )
     ks = [len(d) for d in draft_token_ids]
     num_target = sum(ks) + num_reqs
@@ -88,12 +103,14 @@ def _check_inputs(
             raise ValueError(f"draft_probs must be [sum(k_i)={sum(ks)}, vocab={vocab}], got {list(draft_probs.shape)}")
         if draft_probs.device != target_probs.device:
             raise ValueError(f"draft_probs is on {draft_probs.device}, target_probs on {target_probs.device}")
-    for i, (ids, g, gen) in enumerate(zip(draft_token_ids, greedy, generators, strict=True)):
+    for i, (ids, g, seed, pos) in enumerate(zip(draft_token_ids, greedy, seeds, positions, strict=True)):
         for t in ids:
             if not 0 <= int(t) < vocab:
                 raise ValueError(f"request {i}: draft token id {t} is outside the vocabulary [0, {vocab})")
-        if not g and gen is None:
-            raise ValueError(f"request {i} samples (greedy=False) but has no generator")
+        if not g and seed is None:
+            raise ValueError(f"request {i} samples (greedy=False) but has no seed")
+        if not 0 <= int(pos) < 2**31:
+            raise ValueError(f"request {i}: position {pos} is outside [0, 2**31)")
     return ks
 
 
@@ -119,18 +136,22 @@ def rejection_sample(
     draft_token_ids: Sequence[Sequence[int]],  # per request, k_i ids
     draft_probs: torch.Tensor | None,  # [sum(k_i), vocab] float32 q; None: one-hot at the drafted token
     greedy: Sequence[bool],  # per request
-    generators: Sequence[torch.Generator | None],  # per request; None only for greedy rows
+    seeds: Sequence[int | None],  # per request; None only for greedy rows
+    positions: Sequence[int],  # per request: absolute position of its first draft token (its tokens so far)
+    coupled: Sequence[bool] | None = None,  # per request: verify by Gumbel coupling (seeded); None: none
 ) -> RejectionOutput:
     """Verify a batch of drafts against the target's distributions; see the module docstring.
 
     ``target_probs`` holds, for request after request, the ``k_i + 1`` target distributions
     at the positions of its ``k_i`` draft tokens and the bonus position; ``draft_probs`` the
-    ``k_i`` draft distributions in the same order. Requests with ``k_i = 0`` draw one token
-    from their single ``p``. Raises ``ValueError`` on inconsistent shapes, out-of-vocabulary
-    draft ids or a sampling request without a generator. Pure: nothing is modified except
-    the sampling requests' generators, which advance by a fixed amount.
+    ``k_i`` draft distributions in the same order (not read for greedy or coupled rows).
+    Requests with ``k_i = 0`` draw one token from their single ``p``, exactly the token the
+    plain sampler draws at that position. Raises ``ValueError`` on inconsistent shapes,
+    out-of-vocabulary draft ids, a sampling request without a seed or a position out of range.
+    Pure: nothing is modified.
     """
-    ks = _check_inputs(target_probs, draft_token_ids, draft_probs, greedy, generators)
+    coupled = [False] * len(draft_token_ids) if coupled is None else coupled
+    ks = _check_inputs(target_probs, draft_token_ids, draft_probs, greedy, seeds, positions, coupled)
     num_reqs = len(ks)
     if num_reqs == 0:
         return RejectionOutput(token_ids=[], num_accepted=[])
@@ -140,6 +161,22 @@ def rejection_sample(
     dtype = target_probs.dtype
     vocab = target_probs.shape[1]
     max_k = max(ks)
+    racing = [not g and c for g, c in zip(greedy, coupled, strict=True)]  # coupled: greedy on p / E
+    rejecting = [not g and not c for g, c in zip(greedy, coupled, strict=True)]
+
+    if any(racing):  # the target's keyed race scores p / E(seed, t) at every position of those rows
+        starts = [0]
+        for k in ks:
+            starts.append(starts[-1] + k + 1)
+        flat = [starts[i] + j for i in range(num_reqs) if racing[i] for j in range(ks[i] + 1)]
+        flat_seeds = [int(seeds[i]) for i in range(num_reqs) if racing[i] for _ in range(ks[i] + 1)]  # type: ignore[arg-type]
+        flat_pos = [int(positions[i]) + j for i in range(num_reqs) if racing[i] for j in range(ks[i] + 1)]
+        noise = keyed_exponential(flat_seeds, flat_pos, STREAM_SAMPLE, vocab, device).to(dtype)
+        noise.clamp_min_(torch.finfo(dtype).tiny)  # an exact 0 would make 0/0 = NaN win
+        rows_t = torch.tensor(flat, device=device)
+        target_probs = target_probs.index_put((rows_t,), target_probs[rows_t] / noise)  # [sum(k_i + 1), vocab]
+    if not any(rejecting):
+        return _greedy(target_probs, draft_token_ids, ks)
 
     # ---- padded tensors for the accept-and-resample op: [N, K + 1, V] p, [N, K, V] q, ...
     if all(k == max_k for k in ks):  # every request drafted K tokens: a view, no copy
@@ -162,21 +199,29 @@ def rejection_sample(
         [[int(t) for t in ids] + [0] * (max_k - len(ids)) for ids in draft_token_ids], dtype=torch.int64, device=device
     ).view(num_reqs, max_k)  # [N, K]
     num_draft = torch.tensor(ks, dtype=torch.int64, device=device)  # [N]
-    greedy_t = torch.tensor([bool(g) for g in greedy], dtype=torch.bool, device=device)  # [N]
+    as_greedy = torch.tensor([not r for r in rejecting], dtype=torch.bool, device=device)  # [N]
 
-    # ---- randomness, per request from its own generator, in the documented order and amount:
-    # k_i uniforms in [0, 1), then one Exp(1) variate per vocabulary entry; greedy rows draw nothing.
+    # ---- keyed randomness of the rejection-sampling rows (the others' is ignored by the op):
+    # U(seed, position + j) for the accept test at draft j, E(seed, final position) for the final race
+    rej = [i for i in range(num_reqs) if rejecting[i]]
+    rej_t = torch.tensor(rej, device=device)
+    rej_seeds = [int(seeds[i]) for i in rej]  # type: ignore[arg-type]
+    base = torch.tensor([int(positions[i]) for i in rej], dtype=torch.int64, device=device)  # [R]
     uniforms = torch.zeros(num_reqs, max_k, dtype=dtype, device=device)  # [N, K]
-    for i in range(num_reqs):
-        if ks[i] > 0 and not greedy[i]:
-            uniforms[i, : ks[i]] = torch.rand(ks[i], generator=generators[i], device=device, dtype=dtype)
-    noise = torch.ones(num_reqs, vocab, dtype=dtype, device=device)  # [N, V]
-    for i in range(num_reqs):
-        if not greedy[i]:
-            noise[i].exponential_(generator=generators[i])
+    if max_k:
+        u_pos = (base.unsqueeze(1) + torch.arange(max_k, device=device)).reshape(-1)  # [R * K]
+        u = keyed_uniform([s for s in rej_seeds for _ in range(max_k)], u_pos, STREAM_ACCEPT, 1, device)
+        uniforms[rej_t] = u.view(len(rej), max_k).to(dtype)
 
     accept_fn = dispatch.impl("rejection_accept", device)
-    num_accepted_t, final_t = accept_fn(p_pad, q_pad, ids_pad, num_draft, uniforms, noise, greedy_t)  # [N], [N]
+    noise = torch.ones(num_reqs, vocab, dtype=dtype, device=device)  # [N, V]
+    if max_k:  # where the final token falls depends on the accept tests, not on the noise
+        num_accepted_t, _ = accept_fn(p_pad, q_pad, ids_pad, num_draft, uniforms, noise, as_greedy)  # [N]
+        final_pos = base + num_accepted_t[rej_t]  # [R]
+    else:
+        final_pos = base
+    noise[rej_t] = keyed_exponential(rej_seeds, final_pos, STREAM_SAMPLE, vocab, device).to(dtype)
+    num_accepted_t, final_t = accept_fn(p_pad, q_pad, ids_pad, num_draft, uniforms, noise, as_greedy)  # [N], [N]
     num_accepted, final = torch.stack([num_accepted_t, final_t]).tolist()  # one host sync
 
     token_ids = [[int(t) for t in draft_token_ids[i][: num_accepted[i]]] + [int(final[i])] for i in range(num_reqs)]
