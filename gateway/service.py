@@ -116,6 +116,21 @@ class GenerateServicer:
         async for resp in _events(relay, outbox, context):
             yield resp
 
+    async def ListModels(  # noqa: N802
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> gspb.ListModelsResponse:
+        await self._parse(data, gspb.ListModelsRequest, context, "ListModels")
+        infos = self.core.router.model_infos()
+        if not infos:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no worker has reported its model yet ({self.core.router.describe()}); retry shortly",
+            )
+        return gspb.ListModelsResponse(
+            models=[_model_info(name, w) for name, w in sorted(infos.items())],
+            default_model=self.core.default_model() or "",
+        )
+
 
 async def _events(
     relay: Relay, outbox: Outbox, context: grpc.aio.ServicerContext
@@ -136,21 +151,6 @@ async def _events(
                 return
     finally:
         relay.client_gone(outbox)  # no-op once it ended or moved to another call
-
-    async def ListModels(  # noqa: N802
-        self, data: bytes, context: grpc.aio.ServicerContext
-    ) -> gspb.ListModelsResponse:
-        await self._parse(data, gspb.ListModelsRequest, context, "ListModels")
-        infos = self.core.router.model_infos()
-        if not infos:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no worker has reported its model yet ({self.core.router.describe()}); retry shortly",
-            )
-        return gspb.ListModelsResponse(
-            models=[_model_info(name, w) for name, w in sorted(infos.items())],
-            default_model=self.core.default_model() or "",
-        )
 
 
 _SPEC_METHODS = {"draft": gspb.SPECULATIVE_METHOD_DRAFT_MODEL, "ngram": gspb.SPECULATIVE_METHOD_NGRAM}

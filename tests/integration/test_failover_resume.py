@@ -76,7 +76,7 @@ async def _stream_with_disruption(gateway, disrupt) -> dict[str, Result]:
             results[ev.request_id].add(ev)
         await disrupt()
         await call.done_writing()
-        async for resp in call:
+        while (resp := await call.read()) != grpc.aio.EOF:
             results[resp.event.request_id].add(resp.event)
         assert await call.code() == grpc.StatusCode.OK
     return results
@@ -111,7 +111,7 @@ def test_resume_on_a_new_channel_gets_exactly_the_rest(cluster, reference):
         assert len(handle) >= 22  # 128 random bits, url-safe
         async with grpc.aio.insecure_channel(gateway.address) as ch:  # a new one
             stub = gsgrpc.GenerateServiceStub(ch)
-            resume = pb.ResumeGeneration(resume_handle=handle, next_token_index=len(first.token_ids))
+            resume = gspb.ResumeGeneration(resume_handle=handle, next_token_index=len(first.token_ids))
             rest = Result("rest")
             rest.token_ids = list(first.token_ids)  # so that its index check continues
             async for resp in stub.GenerateStream(gspb.GenerateStreamRequest(resume=resume), timeout=60):
@@ -119,7 +119,9 @@ def test_resume_on_a_new_channel_gets_exactly_the_rest(cluster, reference):
             # over the multiplexed stream too, from 0, under another id: everything again
             again = Result("again")
             call = stub.Generate(timeout=60)
-            await call.write(gspb.GenerateRequest(resume=pb.ResumeGeneration(resume_handle=handle, request_id="again")))
+            await call.write(
+                gspb.GenerateRequest(resume=gspb.ResumeGeneration(resume_handle=handle, request_id="again"))
+            )
             await call.done_writing()
             async for resp in call:
                 assert resp.event.request_id == "again"
@@ -155,8 +157,8 @@ def test_resume_errors_and_retention(cluster):
         async with grpc.aio.insecure_channel(gateway.address) as ch:
             stub = gsgrpc.GenerateServiceStub(ch)
             for name, resume in {
-                "unknown": pb.ResumeGeneration(resume_handle="x" * 22),
-                "beyond": pb.ResumeGeneration(resume_handle=handle, next_token_index=100000),
+                "unknown": gspb.ResumeGeneration(resume_handle="x" * 22),
+                "beyond": gspb.ResumeGeneration(resume_handle=handle, next_token_index=100000),
             }.items():
                 try:
                     await stub.GenerateStream(gspb.GenerateStreamRequest(resume=resume), timeout=10).read()
@@ -167,7 +169,7 @@ def test_resume_errors_and_retention(cluster):
             await asyncio.sleep(RETENTION_S + 1.0)  # the retention passes: cancelled, KV freed
             idle_s = await wait_workers_idle(addresses, timeout=5)
             try:
-                resume = pb.ResumeGeneration(resume_handle=handle, next_token_index=len(got.token_ids))
+                resume = gspb.ResumeGeneration(resume_handle=handle, next_token_index=len(got.token_ids))
                 await stub.GenerateStream(gspb.GenerateStreamRequest(resume=resume), timeout=10).read()
                 codes["expired"] = (grpc.StatusCode.OK, "")
             except grpc.aio.AioRpcError as e:
@@ -226,7 +228,7 @@ def test_max_failovers_ends_unavailable_saying_tokens_delivered(cluster):
                 await wgrpc.WorkerServiceStub(wch).Drain(wpb.DrainRequest(), timeout=5, metadata=worker_metadata())
             drained.append(w)
             try:
-                async for resp in call:
+                while (resp := await call.read()) != grpc.aio.EOF:
                     got.add(resp.event)
                 return grpc.StatusCode.OK, "", got
             except grpc.aio.AioRpcError as e:
