@@ -22,7 +22,7 @@ sys.path.insert(0, str(CLIENT_DIR))
 from draftwise_client import AsyncClient, Client, Delta, GenerationError, ResumePolicy, SamplingParams  # noqa: E402
 from draftwise_client._proto import generate_service_pb2 as gspb  # noqa: E402
 from draftwise_client._proto import generation_pb2 as pb  # noqa: E402
-from draftwise_client._resume import Progress, is_transport_error  # noqa: E402
+from draftwise_client._resume import Progress, is_transport_error, resume_outcome  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 GREEDY = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
@@ -164,3 +164,13 @@ def test_resume_policy_validation():
             ResumePolicy(**bad)
     delays = [FAST.delay_s(i) for i in range(1, 8)]
     assert delays[0] >= 0.01 and max(delays) <= 0.2 * 1.2
+
+
+def test_a_resume_that_finds_nothing_reports_why_the_request_ended():
+    cause = GenerationError(grpc.StatusCode.UNAVAILABLE, "worker gone; the request had already moved 2 times", "r")
+    gone = GenerationError(grpc.StatusCode.NOT_FOUND, "no request with this resume handle", "r")
+    out = resume_outcome(gone, cause)
+    assert out.code == grpc.StatusCode.UNAVAILABLE and "moved 2 times" in out.message and "no request" in out.message
+    assert resume_outcome(gone, None) is gone  # nothing was resumed: as it is
+    other = GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "next_token_index beyond the output", "r")
+    assert resume_outcome(other, cause) is other

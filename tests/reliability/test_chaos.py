@@ -22,7 +22,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -44,10 +44,17 @@ NUM_DROPS = 20
 """Client connections reset mid-stream (10 GenerateStream calls, 10 sessions)."""
 MIN_KILLS = 5
 MAX_TOKENS = (32, 64)
-IN_FLIGHT = 48
+IN_FLIGHT = 24
 """Connections (GenerateStream calls or sessions) open at once."""
-KILL_GAP_S = (1.0, 2.0)
-"""Pause between kills (a kill waits further while two workers are down: one always serves)."""
+KILL_AT = (0.06, 0.2, 0.34, 0.48, 0.62, 0.76)
+"""Kills fall due as these shares of the streams have ended (spread over the run whatever the
+machine's speed), each at a random moment up to KILL_JITTER_S later, at least MIN_KILL_GAP_S
+after the previous one, on a random worker that is running requests, and only while at least
+two workers serve (never all three down at once)."""
+KILL_JITTER_S = 1.0
+MIN_KILL_GAP_S = 2.0
+"""A request moves at most twice (the gateway's default --max-failovers=2): kills this far
+apart rarely catch one request three times."""
 PROMPTS = (
     "def fibonacci(n):",
     "class Stack:",
@@ -180,13 +187,21 @@ class Killer:
             return []
         return [(n, int(ready[n]["pid"])) for n, lo in zip(names, loads, strict=True) if lo.num_requests_running]
 
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(self.rng.uniform(*KILL_GAP_S))
-            busy = await self._busy_workers()
-            if not busy:
+    async def run(self, stop: asyncio.Event, ended: Callable[[], float]) -> None:
+        """Kill as KILL_AT says; ``ended`` is the share of the streams that have ended."""
+        for share in KILL_AT:
+            while ended() < share and not stop.is_set():
                 await asyncio.sleep(0.05)
-                continue
+            await asyncio.sleep(self.rng.uniform(0, KILL_JITTER_S))
+            if self.kills:
+                await asyncio.sleep(max(0.0, self.kills[-1][0] + MIN_KILL_GAP_S - time.monotonic()))
+            while not stop.is_set():
+                busy = await self._busy_workers()
+                if busy:
+                    break
+                await asyncio.sleep(0.05)
+            if stop.is_set():
+                return
             name, pid = self.rng.choice(busy)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -200,22 +215,20 @@ async def run_all(
     gate = asyncio.Semaphore(IN_FLIGHT)
     stop = asyncio.Event()
     killer = Killer(serve, random.Random(SEED + 1), secret=secret) if chaos else None
-    kill_task = asyncio.create_task(killer.run(stop)) if killer else None
+
+    def ended() -> float:
+        return sum(1 for o in outcomes.values() if o.error or (o.deltas and o.deltas[-1].finished)) / NUM_STREAMS
+
+    kill_task = asyncio.create_task(killer.run(stop, ended)) if killer else None
 
     async def one(unit: Unit) -> int:
         async with gate:
             return await run_unit(serve.address, unit, outcomes, chaos)
 
-    tasks = [asyncio.create_task(one(u)) for u in units]
-    if killer:  # keep the traffic going until the kills are in: a second pass of short units if needed
-        done = asyncio.gather(*tasks)
-        while len(killer.kills) < MIN_KILLS and not done.done():
-            await asyncio.sleep(0.1)
-        drops = sum(await done)
-        stop.set()
+    drops = sum(await asyncio.gather(*(one(u) for u in units)))
+    stop.set()
+    if kill_task is not None:
         await kill_task
-    else:
-        drops = sum(await asyncio.gather(*tasks))
     return outcomes, drops, killer
 
 
@@ -284,7 +297,7 @@ def failover_gaps(outcomes: dict[int, Outcome], kills: list[tuple[float, str]]) 
 
 def gateway_figures(serve: ServeProc) -> dict[str, float]:
     """Gateway metrics about failover and resume (names as the gateway exports them)."""
-    words = ("failover", "recomput", "resum", "replay")
+    words = ("failover", "recomput", "resum", "replay", "detached")
     return {k: v for k, v in serve.metrics().items() if any(w in k for w in words) and not k.endswith("_created")}
 
 

@@ -24,7 +24,7 @@ from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, h
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
 from draftwise_client._proto import generation_pb2 as pb
-from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay
+from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay, resume_outcome
 from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
 from draftwise_client._types import (
     Collector,
@@ -139,6 +139,7 @@ class AsyncClient:
                     return  # the connection broke after the final event: nothing is missing
                 error = GenerationError.from_rpc(e, request_id)
                 error.attempts, error.resumes = attempt, progress.resumes
+                error = resume_outcome(error, progress.cause)
                 if progress.resumable:
                     in_row += 1
                     delay = resume_delay(self.resume, error, in_row, deadline)
@@ -152,6 +153,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
             if progress.resumable:
                 progress.resumes += 1
+                progress.cause = error
                 log.info("resuming %s at token %d after %s", progress.handle, progress.next_index, error)
 
     async def complete(
@@ -309,6 +311,13 @@ class Session:
         stream = self._requests.get(event.request_id)
         if stream is None:
             return
+        cause = stream.progress.cause
+        if event.WhichOneof("kind") == "error" and cause is not None:
+            del self._requests[event.request_id]
+            error = GenerationError.from_event(event.request_id, event.error)
+            error.attempts, error.resumes = stream.attempts, stream.resumes
+            stream._queue.put_nowait(resume_outcome(error, cause))
+            return
         try:
             if not stream.progress.accept(event):
                 return  # replayed after a resume: the caller has it
@@ -320,7 +329,7 @@ class Session:
         if event.WhichOneof("kind") != "delta":
             del self._requests[event.request_id]
 
-    async def _reconnect(self) -> None:
+    async def _reconnect(self, cause: GenerationError) -> None:
         """A new stream carrying every in-flight request: resumed where it has a handle,
         started again where it had no delta yet (nothing of it reached the caller)."""
         async with self._write_lock:
@@ -330,6 +339,7 @@ class Session:
                 for rid, stream in list(self._requests.items()):
                     if stream.progress.resumable:
                         stream.progress.resumes += 1
+                        stream.progress.cause = cause
                         resume = stream.progress.resume_message(rid)
                         await self._call.write(gspb.GenerateRequest(resume=resume))
                         log.info("resuming %s as %s at token %d", resume.resume_handle, rid, resume.next_token_index)
@@ -359,9 +369,9 @@ class Session:
                     delay = resume_delay(self.client.resume, error, in_row, self._deadline)
                     if delay is None:
                         break
-                    error = None
+                    cause, error = error, None
                     await asyncio.sleep(delay)
-                    await self._reconnect()
+                    await self._reconnect(cause)
         except asyncio.CancelledError:
             error = GenerationError(grpc.StatusCode.CANCELLED, "the session was closed")
         finally:

@@ -93,6 +93,20 @@ def resume_delay(
     return delay
 
 
+def resume_outcome(error: GenerationError, cause: GenerationError | None) -> GenerationError:
+    """The error to raise when a resume sent after ``cause`` failed with ``error``. A resume
+    that finds nothing (NOT_FOUND) after an UNAVAILABLE the server itself sent (the request
+    ended there: it could not be moved again, say) says more as that UNAVAILABLE, with the
+    resume's answer appended; any other answer is raised as it is."""
+    if cause is None or error.code != grpc.StatusCode.NOT_FOUND:
+        return error
+    out = GenerationError(
+        cause.code, f"{cause.message}; resuming found nothing: {error.message}", cause.request_id, cause.retry_after_ms
+    )
+    out.attempts, out.resumes = error.attempts, error.resumes
+    return out
+
+
 class Progress:
     """What the caller has of one request: its resume handle and the index of the first token
     it has not received. Filters the events of a resumed stream so that nothing is seen twice."""
@@ -107,6 +121,8 @@ class Progress:
         """Its final event reached the caller."""
         self.resumes = 0
         """Resumes sent for it."""
+        self.cause: GenerationError | None = None
+        """The error that made the client resume it, until an event arrives after the resume."""
 
     @property
     def resumable(self) -> bool:
@@ -115,6 +131,7 @@ class Progress:
     def accept(self, event: pb.GenerationEvent) -> bool:
         """Record ``event``; False for a delta the caller already has (drop it). Raises
         GenerationError(DATA_LOSS) on a gap or a delta that overlaps what was received."""
+        self.cause = None
         if event.WhichOneof("kind") != "delta":
             if self.finished:
                 return False

@@ -15,7 +15,7 @@ import grpc
 from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
-from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay
+from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay, resume_outcome
 from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
 from draftwise_client._types import (
     Collector,
@@ -127,6 +127,7 @@ class Client:
                     return  # the connection broke after the final event: nothing is missing
                 error = GenerationError.from_rpc(e, request_id)
                 error.attempts, error.resumes = attempt, progress.resumes
+                error = resume_outcome(error, progress.cause)
                 if progress.resumable:
                     in_row += 1
                     delay = resume_delay(self.resume, error, in_row, deadline)
@@ -139,6 +140,7 @@ class Client:
             time.sleep(delay)
             if progress.resumable:
                 progress.resumes += 1
+                progress.cause = error
                 log.info("resuming %s at token %d after %s", progress.handle, progress.next_index, error)
 
     def complete(
