@@ -153,6 +153,8 @@ def test_progress_drops_replayed_deltas_and_refuses_gaps():
     with pytest.raises(GenerationError) as gap:
         p.accept(_delta(7, 1))
     assert overlap.value.code == gap.value.code == grpc.StatusCode.DATA_LOSS
+    refusal = pb.GenerationEvent(request_id="r", error=pb.RequestError(code=8, message="busy"))
+    assert p.accept(refusal) and not p.finished  # a refusal may be retried: not the end
     final = pb.GenerationEvent(request_id="r", finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH))
     assert p.accept(final) and p.finished and not p.accept(final)
 
@@ -170,7 +172,9 @@ def test_a_resume_that_finds_nothing_reports_why_the_request_ended():
     cause = GenerationError(grpc.StatusCode.UNAVAILABLE, "worker gone; the request had already moved 2 times", "r")
     gone = GenerationError(grpc.StatusCode.NOT_FOUND, "no request with this resume handle", "r")
     out = resume_outcome(gone, cause)
-    assert out.code == grpc.StatusCode.UNAVAILABLE and "moved 2 times" in out.message and "no request" in out.message
+    assert out.code == grpc.StatusCode.UNAVAILABLE and out.message == cause.message
     assert resume_outcome(gone, None) is gone  # nothing was resumed: as it is
+    dropped = GenerationError(grpc.StatusCode.UNAVAILABLE, "Socket closed", "r")
+    assert resume_outcome(gone, dropped) is gone  # after a plain drop, NOT_FOUND is the news
     other = GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "next_token_index beyond the output", "r")
     assert resume_outcome(other, cause) is other

@@ -26,7 +26,14 @@ from draftwise_client._types import GenerationError
 
 log = logging.getLogger("draftwise_client")
 
-TRANSPORT_DETAILS = ("Internal error from Core", "Stream removed", "Socket closed", "Connection reset")
+TRANSPORT_DETAILS = (
+    "Internal error from Core",
+    "Stream removed",
+    "Socket closed",
+    "Connection reset",
+    "failed to connect",
+    "recvmsg",
+)
 """Details gRPC core gives a call that the transport tore down under it (reported as INTERNAL
 or UNKNOWN rather than UNAVAILABLE, depending on where the connection broke)."""
 
@@ -96,13 +103,11 @@ def resume_delay(
 def resume_outcome(error: GenerationError, cause: GenerationError | None) -> GenerationError:
     """The error to raise when a resume sent after ``cause`` failed with ``error``. A resume
     that finds nothing (NOT_FOUND) after an UNAVAILABLE the server itself sent (the request
-    ended there: it could not be moved again, say) says more as that UNAVAILABLE, with the
-    resume's answer appended; any other answer is raised as it is."""
-    if cause is None or error.code != grpc.StatusCode.NOT_FOUND:
-        return error
-    out = GenerationError(
-        cause.code, f"{cause.message}; resuming found nothing: {error.message}", cause.request_id, cause.retry_after_ms
-    )
+    ended there: no worker could take it over, say) raises that UNAVAILABLE: it says why
+    the request ended. Any other answer is raised as it is."""
+    if cause is None or error.code != grpc.StatusCode.NOT_FOUND or cause.message.startswith(TRANSPORT_DETAILS):
+        return error  # (after a plain transport failure, NOT_FOUND says it: retention passed, say)
+    out = GenerationError(cause.code, cause.message, cause.request_id, cause.retry_after_ms)
     out.attempts, out.resumes = error.attempts, error.resumes
     return out
 
@@ -132,10 +137,12 @@ class Progress:
         """Record ``event``; False for a delta the caller already has (drop it). Raises
         GenerationError(DATA_LOSS) on a gap or a delta that overlaps what was received."""
         self.cause = None
-        if event.WhichOneof("kind") != "delta":
-            if self.finished:
-                return False
-            self.received = self.finished = True
+        kind = event.WhichOneof("kind")
+        if kind != "delta":
+            if kind == "finished":  # (an error event may be followed by a retry: not final here)
+                if self.finished:
+                    return False
+                self.received = self.finished = True
             return True
         d = event.delta
         if d.resume_handle and not self.handle:
