@@ -67,7 +67,8 @@ SERVE_FLAGS = ("--speculative-model=default", "--max-in-flight=512", "--max-fail
 """Kills every few seconds catch some requests three times over a run (a request waits and
 moves with its worker's whole batch); the gateway's default bound of 2 moves, which its own
 tests cover, would end those with UNAVAILABLE. Here a request may move 5 times."""
-IDLE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 30.0
+"""Seconds the last killed worker gets to come back and every worker to show no KV block held."""
 
 
 @dataclass(frozen=True)
