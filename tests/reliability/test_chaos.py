@@ -22,6 +22,7 @@ import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -285,6 +286,13 @@ def check(units: list[Unit], outcomes: dict[int, Outcome], reference: dict[int, 
     return problems
 
 
+def summarize(problems: list[str]) -> str:
+    """Problems counted by stream kind and what went wrong ("seeded/spec: error UNAVAILABLE": 3)."""
+    counts = Counter(" ".join(p.split(":", 1)[1].replace(":", "").split()[:3]) for p in problems)
+    streams = len({p.split(":", 1)[0] for p in problems})
+    return f"{streams} streams with problems: " + ", ".join(f"{k}: {n}" for k, n in sorted(counts.items()))
+
+
 def failover_gaps(outcomes: dict[int, Outcome], kills: list[tuple[float, str]]) -> list[float]:
     """For each stream and kill: the gap between the deltas on either side of the kill
     (the stream's pause across it), for streams that were mid-way at the kill."""
@@ -347,6 +355,6 @@ def test_chaos(serve):
             f"(undisturbed inter-delta gap: median {statistics.median(ref_gaps) * 1000:.0f} ms, "
             f"max {max(ref_gaps) * 1000:.0f} ms)"
         )
-    assert not problems, "\n".join(problems[:40])
+    assert not problems, summarize(problems) + "\n" + "\n".join(problems[:40])
     assert len(killer.kills) >= MIN_KILLS, killer.kills
     assert drops == NUM_DROPS
