@@ -61,7 +61,7 @@ class GatewayConfig:
     failover_stall_s: float = 30.0
     """A worker call that has sent tokens and then sends nothing for this long is taken as hung: the request
     moves elsewhere and the worker is out of rotation for as long."""
-    failover_wait_s: float = 15.0
+    failover_wait_s: float = 10.0
     """How long a request that must fail over waits for a healthy worker (the supervisor restarting one),
     within its deadline, before it ends with UNAVAILABLE."""
     resume_retention_s: float = 60.0

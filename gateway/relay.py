@@ -72,12 +72,13 @@ class Core:
             w = relay.call_worker
             if w is None or relay.moving:
                 continue
-            if w.load.draining:
-                relay.move("drain", f"worker {w.address} is draining")
+            if w.load.draining and self.router.pick(relay.model, frozenset({w})) is not None:
+                # (with nowhere to go, the request finishes on the draining worker, as Drain promises)
+                relay.move("drain", f"worker {w.address} is draining ({relay.num_tokens} output tokens sent)")
             elif relay.num_tokens and now - relay.t_progress > stall:
                 reason = f"no progress for {stall:g}s"
                 self.router.report_stall(w, stall, f"a request made {reason} on it (hung?)")
-                relay.move("stall", f"worker {w.address} made {reason}")
+                relay.move("stall", f"worker {w.address} made {reason} after {relay.num_tokens} output tokens")
 
     def worker_request_id(self) -> str:
         """A request id unique across this gateway's requests (client ids are unique per stream only)."""
@@ -172,7 +173,8 @@ class Relay:
             self.request.start.sampling_params.seed = secrets.randbits(63)
         self.t0 = time.perf_counter()
         self.t_last = 0.0
-        self.tokens: list[int] = []  # every output token sent to the client, in order
+        # every output token the client has, in order: a client may itself start from a continuation
+        self.tokens: list[int] = list(start.continuation.output_token_ids)
         self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
         self.failovers = 0
         # the worker call in progress (None between attempts), and a move asked of it
@@ -184,7 +186,7 @@ class Relay:
         self.handle = ""
         self.buffer: ReplayBuffer | None = None
         if core.config.resume_retention_s > 0:
-            self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes)
+            self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes, num_tokens=len(self.tokens))
         self._expiry: asyncio.TimerHandle | None = None
         self.on_takeover: Callable[[], None] | None = None
         """Called when a resume on another stream takes this request over (its stream forgets it)."""
@@ -340,6 +342,7 @@ class Relay:
         # worker -> its channel when it failed this request: a worker restarted since (a new
         # channel) may take the request again
         excluded: dict[WorkerHandle, Any] = {}
+        last_failure = ""
         while True:
             w = self._pick(excluded)
             if w is None:
@@ -348,7 +351,7 @@ class Relay:
                         grpc.StatusCode.UNAVAILABLE,
                         f"no healthy worker serves model {self.model!r} ({self.core.router.describe()}); retry shortly",
                     )
-                w = await self._wait_for_worker(excluded)
+                w = await self._wait_for_worker(excluded, last_failure)
             excluded[w] = w.channel
             self.worker = w
             w.in_flight += 1
@@ -358,6 +361,7 @@ class Relay:
                 w.in_flight -= 1
             if failed is None:
                 return
+            last_failure = failed[1]
             if self.num_tokens:
                 self._prepare_failover(w, *failed)
 
@@ -365,7 +369,7 @@ class Relay:
         out = frozenset(w for w, channel in excluded.items() if w.channel is channel)
         return self.core.router.pick(self.model, out)
 
-    async def _wait_for_worker(self, excluded: dict[WorkerHandle, Any]) -> WorkerHandle:
+    async def _wait_for_worker(self, excluded: dict[WorkerHandle, Any], why: str) -> WorkerHandle:
         """A healthy worker to fail over to, waiting up to ``failover_wait_s`` (within the
         deadline) for one to come (back) up."""
         t0 = time.monotonic()
@@ -379,7 +383,7 @@ class Relay:
                 return w
         raise RequestError(
             grpc.StatusCode.UNAVAILABLE,
-            f"no healthy worker to continue the request on within {time.monotonic() - t0:.1f}s "
+            f"{why}, and no healthy worker came up to continue on within {time.monotonic() - t0:.1f}s "
             f"({self.core.router.describe()}); {self.num_tokens} output tokens were delivered: "
             "retry it (or resubmit the prompt plus those tokens)",
         )
@@ -453,7 +457,10 @@ class Relay:
         if self._move is not None:
             return self._move
         if self.num_tokens:
-            return "unavailable", f"worker {w.address} ended the request without a final event"
+            return (
+                "unavailable",
+                f"worker {w.address} ended the request without a final event after {self.num_tokens} output tokens",
+            )
         raise RequestError(
             grpc.StatusCode.UNAVAILABLE, f"worker {w.address} ended the request without a final event; retry it"
         )
@@ -527,10 +534,16 @@ class Relay:
             self.core.router.report_failure(w, f"Generate failed: {details}")
             if self.num_tokens == 0:
                 self.log.warning("worker unavailable, retrying elsewhere", worker=w.address, details=details)
-            return "unavailable", f"worker {w.address} became unavailable ({details})"
+            return (
+                "unavailable",
+                f"worker {w.address} became unavailable after {self.num_tokens} output tokens ({details})",
+            )
         if code == S.CANCELLED:
             if self.num_tokens:  # the worker stopped it (shutting down): go on elsewhere
-                return "unavailable", f"worker {w.address} stopped the request ({details})"
+                return (
+                    "unavailable",
+                    f"worker {w.address} stopped the request after {self.num_tokens} output tokens ({details})",
+                )
             raise RequestError(S.UNAVAILABLE, f"worker {w.address} stopped the request ({details}); retry it")
         if code == S.NOT_FOUND:
             raise RequestError(S.INVALID_ARGUMENT, details)
@@ -546,7 +559,7 @@ class Relay:
             return
         now = time.perf_counter()
         m = self.core.metrics
-        if self.num_tokens == 0:
+        if not self.t_first:
             self.t_first = now
             if delta.prompt_tokens:
                 self.prompt_tokens = delta.prompt_tokens
@@ -582,7 +595,7 @@ class Relay:
         )
         t = finished.timings
         t.queue_ms = self.queue_ms
-        if self.num_tokens:
+        if self.t_first:
             t.time_to_first_token_ms = (self.t_first - self.t0) * 1000
         t.total_ms = (time.perf_counter() - self.t0) * 1000
         self.core.metrics.observe_finished(finished)

@@ -26,7 +26,8 @@ def workers(proc_dir: Path) -> Iterator[list[Proc]]:
 
 @pytest.fixture(scope="session")
 def gateway(workers: list[Proc], proc_dir: Path) -> Iterator[Proc]:
-    g = start_gateway(workers, proc_dir, "gateway", "--max-in-flight=256")
+    # resumption off: a cancelled call aborts its requests at once (test_cancel checks the KV is freed)
+    g = start_gateway(workers, proc_dir, "gateway", "--max-in-flight=256", "--resume-retention-s=0")
     yield g
     g.stop()
 

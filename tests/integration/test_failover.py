@@ -1,5 +1,5 @@
-"""A worker that dies: its in-flight requests end with UNAVAILABLE (none hangs), new
-requests go to the survivor, and health reads NOT_SERVING once no worker is left. These
+"""A worker that dies: its in-flight requests fail over to the survivor (none hangs, none
+fails; token-exactness is tests/integration/test_failover_resume.py's), new requests go to the survivor, and health reads NOT_SERVING once no worker is left. These
 tests kill workers, so they get their own."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_killed_workers(cluster):
             loads = await worker_loads([victim.address, survivor.address])
             assert all(lo.num_requests_running > 0 for lo in loads), loads  # both workers have some
             victim.kill()
-            # every request ends: the victim's with UNAVAILABLE, within a bounded time
+            # every request ends, the victim's moved to the survivor, within a bounded time
             await call.done_writing()
 
             async def drain():
@@ -89,11 +89,7 @@ def test_killed_workers(cluster):
 
     results, code, after, single, health_one_left, none_left, none_left_msg = asyncio.run(main())
     assert code == grpc.StatusCode.OK  # the stream itself stayed up
-    unavailable = [r for r in results.values() if r.code == grpc.StatusCode.UNAVAILABLE]
-    finished = [r for r in results.values() if r.finish_reason == pb.FINISH_REASON_LENGTH]
-    assert unavailable and finished and len(unavailable) + len(finished) == len(results)
-    for r in unavailable:
-        assert victim.address in r.final.error.message and "retry" in r.final.error.message
+    assert all(r.finish_reason == pb.FINISH_REASON_LENGTH and len(r.token_ids) == 200 for r in results.values())
     assert all(r.finish_reason == pb.FINISH_REASON_LENGTH for r in after.values())
     assert single[-1].event.WhichOneof("kind") == "finished"
     assert health_one_left == health_pb2.HealthCheckResponse.SERVING

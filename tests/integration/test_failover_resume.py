@@ -7,7 +7,9 @@ request is cancelled (KV freed) and a resume gets NOT_FOUND."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import urllib.request
 
 import grpc
@@ -15,7 +17,6 @@ import pytest
 
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
-from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.worker import SamplingParams
@@ -34,7 +35,7 @@ def cluster(proc_dir):
     workers = start_workers(3, proc_dir, prefix="fo")
     gateways = []
     try:
-        flags = ("--failover-wait-s=5", f"--resume-retention-s={RETENTION_S:g}")
+        flags = ("--failover-wait-s=5", "--failover-stall-s=2", f"--resume-retention-s={RETENTION_S:g}")
         gateways.append(start_gateway(workers, proc_dir, "gateway-fo", *flags))
         gateways.append(start_gateway(workers, proc_dir, "gateway-fo0", "--max-failovers=0", *flags))
     except BaseException:
@@ -54,8 +55,10 @@ def reference(reference_llm):
 
 
 def _counter(gateway, name: str) -> float:
+    """The sum of a metric's samples; ``name`` may include labels (exactly as exposed)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(gateway)}/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    labels = "" if "{" in name else r"(?:\{[^}]*\})?"
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M))
 
 
 async def _busy_worker(workers):
@@ -80,6 +83,12 @@ async def _stream_with_disruption(gateway, disrupt) -> dict[str, Result]:
             results[resp.event.request_id].add(resp.event)
         assert await call.code() == grpc.StatusCode.OK
     return results
+
+
+def _longest_gap_ms(results) -> float:
+    """The longest wait between two deltas of one request (the failover's cost, for the report)."""
+    gaps = [b - a for r in results.values() for a, b in zip(r.delta_times, r.delta_times[1:], strict=False)]
+    return max(gaps) * 1000
 
 
 def _assert_undisturbed(results, reference):
@@ -134,6 +143,35 @@ def test_resume_on_a_new_channel_gets_exactly_the_rest(cluster, reference):
     assert first.text + rest.text == text
     # the request finished and was delivered: the second resume finds nothing
     assert again.code == grpc.StatusCode.NOT_FOUND and "resume handle" in again.final.error.message
+
+
+def test_client_continuation_through_the_gateway(cluster, reference):
+    """StartGeneration.continuation on the public API: the worker goes on from it (index, tokens
+    and text as the undisturbed run's); a finished continuation is INVALID_ARGUMENT."""
+    _, gateway, _ = cluster
+    prompt = PROMPTS[3]
+    ids, text = reference[prompt]
+
+    async def main():
+        async with grpc.aio.insecure_channel(gateway.address) as ch:
+            stub = gsgrpc.GenerateServiceStub(ch)
+            s = start("", prompt, **GREEDY)
+            s.continuation.output_token_ids.extend(ids[:10])
+            got = Result("c")
+            got.token_ids = list(ids[:10])
+            async for resp in stub.GenerateStream(gspb.GenerateStreamRequest(start=s), timeout=60):
+                got.add(resp.event)
+            s.continuation.output_token_ids.extend(ids[10:])  # all N_TOKENS: nothing left
+            try:
+                await stub.GenerateStream(gspb.GenerateStreamRequest(start=s), timeout=10).read()
+                return got, grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as e:
+                return got, e.code(), e.details()
+
+    got, code, details = asyncio.run(main())
+    assert got.token_ids == ids and got.final.finished.usage.completion_tokens == N_TOKENS
+    assert got.text and text.endswith(got.text)  # the rest of the text, none of it sent twice
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "already finished" in details
 
 
 def test_resume_errors_and_retention(cluster):
@@ -199,6 +237,7 @@ def test_drain_moves_requests(cluster, reference):
         results = asyncio.run(_stream_with_disruption(gateway, disrupt))
         _assert_undisturbed(results, reference)
         assert _counter(gateway, "draftwise_failovers_total") > before
+        print(f"drain: longest gap between deltas {_longest_gap_ms(results):.0f} ms")
         assert _counter(gateway, "draftwise_failover_recomputed_tokens_total") > 0
     finally:
         for w in drained:
@@ -244,6 +283,28 @@ def test_max_failovers_ends_unavailable_saying_tokens_delivered(cluster):
     assert 0 < n < N_TOKENS and f"{n} output tokens were delivered" in details and "--max-failovers=0" in details
 
 
+def test_hung_worker_is_left_after_the_stall_time(cluster, reference):
+    """A worker that stops making progress (SIGSTOP: its process hangs) loses its requests
+    after --failover-stall-s; they go on elsewhere, exactly."""
+    workers, gateway, _ = cluster
+    stopped = []
+
+    async def disrupt():
+        w = await _busy_worker(workers)
+        os.kill(w.popen.pid, signal.SIGSTOP)
+        stopped.append(w)
+
+    before = _counter(gateway, 'draftwise_failovers_total{reason="stall"}')
+    try:
+        results = asyncio.run(_stream_with_disruption(gateway, disrupt))
+    finally:
+        for w in stopped:
+            os.kill(w.popen.pid, signal.SIGCONT)
+    _assert_undisturbed(results, reference)
+    assert _counter(gateway, 'draftwise_failovers_total{reason="stall"}') > before
+    asyncio.run(asyncio.sleep(2.5))  # the hung worker comes back into rotation
+
+
 def test_kill_9_mid_stream_continues_token_for_token(cluster, reference):
     """Last: it kills a worker."""
     workers, gateway, _ = cluster
@@ -255,3 +316,4 @@ def test_kill_9_mid_stream_continues_token_for_token(cluster, reference):
     results = asyncio.run(_stream_with_disruption(gateway, disrupt))
     _assert_undisturbed(results, reference)
     assert _counter(gateway, "draftwise_failovers_total") > before
+    print(f"kill -9: longest gap between deltas {_longest_gap_ms(results):.0f} ms")

@@ -1,0 +1,87 @@
+"""Replay buffers of resumable requests: resume points are delta boundaries, events come back
+from there on (the final one included), bytes are counted per request and gateway-wide, and
+a request that passes either cap loses resumability (and gives its bytes back)."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.gateway.replay import ReplayBudget, ReplayBuffer, ResumeError, new_handle
+from draftwise.v1 import generate_service_pb2 as gspb
+from draftwise.v1 import generation_pb2 as pb
+
+
+def _delta(first: int, ids: list[int], text: str) -> gspb.GenerateResponse:
+    d = pb.TokenDelta(token_ids=ids, text=text, first_token_index=first)
+    return gspb.GenerateResponse(event=pb.GenerationEvent(request_id="orig", delta=d))
+
+
+def _final() -> gspb.GenerateResponse:
+    f = pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=3, completion_tokens=5))
+    return gspb.GenerateResponse(event=pb.GenerationEvent(request_id="orig", finished=f))
+
+
+def _filled(limit: int = 1 << 20, total: int = 1 << 20) -> tuple[ReplayBudget, ReplayBuffer]:
+    budget = ReplayBudget(total)
+    buf = ReplayBuffer(budget, limit)
+    buf.add_delta(_delta(0, [1, 2], "ab"))
+    buf.add_delta(_delta(2, [3], "c"))
+    buf.add_delta(_delta(3, [4, 5], "de"))
+    return budget, buf
+
+
+def test_replay_from_each_boundary():
+    budget, buf = _filled()
+    assert buf.num_tokens == 5 and budget.used == buf.size > 0
+    for start, texts in {0: ["ab", "c", "de"], 2: ["c", "de"], 3: ["de"], 5: []}.items():
+        events = buf.replay(start, "new-id")
+        assert [e.event.delta.text for e in events] == texts
+        assert all(e.event.request_id == "new-id" for e in events)
+    buf.set_final(_final())
+    events = buf.replay(5, "x")
+    assert [e.event.WhichOneof("kind") for e in events] == ["finished"]
+    assert events[0].event.finished.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(("index", "words"), [(1, "not a delta boundary"), (4, "not a delta boundary"), (6, "beyond")])
+def test_bad_resume_points_are_invalid_argument(index, words):
+    _, buf = _filled()
+    with pytest.raises(ResumeError) as info:
+        buf.replay(index, "x")
+    assert info.value.code == "invalid_argument" and words in info.value.message
+
+
+def test_per_request_cap_loses_resumability_and_frees_bytes():
+    size = len(_delta(0, [1, 2], "ab").SerializeToString())
+    budget = ReplayBudget(1 << 20)
+    buf = ReplayBuffer(budget, limit=size * 2)
+    buf.add_delta(_delta(0, [1, 2], "ab"))
+    assert buf.lost is None and budget.used == size
+    buf.add_delta(_delta(2, [3, 4], "cd"))
+    buf.add_delta(_delta(4, [5, 6], "ef"))  # past the cap
+    assert buf.lost is not None and "--resume-buffer-bytes" in buf.lost
+    assert budget.used == 0 and buf.size == 0 and buf.num_tokens == 6  # tokens still counted
+    with pytest.raises(ResumeError) as info:
+        buf.replay(0, "x")
+    assert info.value.code == "not_found" and "can no longer be resumed" in info.value.message
+
+
+def test_gateway_wide_cap_is_shared():
+    first, second = (len(_delta(i, [1, 2], "ab").SerializeToString()) for i in (0, 2))
+    budget = ReplayBudget(first * 2 + second)
+    a, b = ReplayBuffer(budget, 1 << 20), ReplayBuffer(budget, 1 << 20)
+    a.add_delta(_delta(0, [1, 2], "ab"))
+    a.add_delta(_delta(2, [1, 2], "ab"))
+    b.add_delta(_delta(0, [1, 2], "ab"))
+    assert budget.used == budget.limit and a.lost is None and b.lost is None
+    b.add_delta(_delta(2, [1, 2], "ab"))  # no room left: b loses resumability, a keeps its events
+    assert b.lost is not None and "--resume-buffer-total-bytes" in b.lost
+    assert a.lost is None and budget.used == first + second
+    a.drop("finished")
+    assert budget.used == 0
+
+
+def test_handles_are_unguessable_and_url_safe():
+    handles = {new_handle() for _ in range(1000)}
+    assert len(handles) == 1000
+    assert all(len(h) >= 22 and h.replace("-", "").replace("_", "").isalnum() for h in handles)
