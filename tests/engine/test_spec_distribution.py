@@ -6,7 +6,9 @@ checkpoints. For every one of the 4^4 continuations of 4 tokens the exact probab
 the target is computed with transformers (an independent implementation), shaped by the
 request's temperature / top-k. The engine then samples 6000 continuations with the draft
 proposer (k = 3), with n-gram lookup, and without speculation, and a chi-square
-goodness-of-fit test compares each sample to the exact distribution.
+goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
+(seeds 1000, 1001, ...: speculation verifies them by Gumbel coupling, so the sample is
+across seeds) or, in the "-unseeded" cases, not (random seeds; rejection sampling).
 
 False-alarm rate: each test rejects at p < 1e-3, so a correct engine fails one of these
 cases with probability about 1e-3 per case; the seeds are fixed, so a given commit passes
@@ -88,7 +90,7 @@ def _exact(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
     return {s: math.exp(float(v)) for s, v in zip(seqs, picked, strict=True)}
 
 
-def _sample(root, params: SamplingParams, **spec) -> tuple[dict[tuple[int, ...], int], LLMEngine]:
+def _sample(root, params: SamplingParams, seeded: bool = True, **spec) -> tuple[dict[tuple[int, ...], int], LLMEngine]:
     engine = LLMEngine(
         EngineConfig(
             model=root / "target",
@@ -104,7 +106,11 @@ def _sample(root, params: SamplingParams, **spec) -> tuple[dict[tuple[int, ...],
     counts: dict[tuple[int, ...], int] = {}
     for i in range(N):
         p = SamplingParams(
-            temperature=params.temperature, top_k=params.top_k, max_tokens=LENGTH, ignore_eos=True, seed=1000 + i
+            temperature=params.temperature,
+            top_k=params.top_k,
+            max_tokens=LENGTH,
+            ignore_eos=True,
+            seed=1000 + i if seeded else None,
         )
         engine.add_request(str(i), PROMPT, p)
     while engine.has_unfinished_requests():
@@ -141,6 +147,16 @@ SPEC = {
         speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False, prompt_lookup_min=1
     ),
     "plain": {},
+    "draft-k3-unseeded": dict(
+        speculative_method="draft", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
+    ),
+    "ngram-k3-unseeded": dict(
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        speculative_adaptive=False,
+        prompt_lookup_min=1,
+        seeded=False,
+    ),
 }
 
 
