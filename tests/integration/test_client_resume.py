@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from tests.integration.procs import CLIENT_DIR
+from tests.integration.procs import CLIENT_DIR, Proc, start_gateway
 from tests.integration.tcp_proxy import TcpProxy
 
 sys.path.insert(0, str(CLIENT_DIR))
@@ -30,6 +30,14 @@ SEEDED = SamplingParams(max_tokens=96, temperature=0.9, top_p=0.95, seed=1234, i
 FAST = ResumePolicy(initial_backoff_s=0.01, max_backoff_s=0.2)
 DROP_AFTER = 3
 """Deltas with tokens the caller reads before the proxy resets the connection."""
+
+
+@pytest.fixture(scope="module")
+def gateway(workers, proc_dir) -> Iterator[Proc]:
+    """A gateway with resumption on (the default; the shared test gateway runs without it)."""
+    g = start_gateway(workers, proc_dir, "gateway-resume", "--max-in-flight=256")
+    yield g
+    g.stop()
 
 
 @pytest.fixture
