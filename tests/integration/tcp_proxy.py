@@ -21,6 +21,7 @@ class TcpProxy:
         self.drops = 0
         """Connections reset by :meth:`drop`."""
         self._conns: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy", daemon=True)
         self._thread.start()
@@ -79,6 +80,11 @@ class TcpProxy:
         return n
 
     def close(self) -> None:
+        """Stop listening and reset every connection (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+
         async def stop() -> None:
             self._server.close()
             await self._drop()
