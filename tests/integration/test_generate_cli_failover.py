@@ -1,7 +1,9 @@
 """``draftwise generate --server`` survives ``kill -9`` of the worker serving it: under a real
 ``draftwise serve --workers 2``, the command streams a greedy completion, the worker running
 it is SIGKILLed mid-stream (found by asking each worker's GetLoad), and the command still
-exits 0 having printed exactly the text of an undisturbed run: no break, nothing repeated."""
+exits 0 having printed exactly the text of an undisturbed run: no break, nothing repeated.
+It also resumes after its connection is reset (a TCP proxy on 127.0.0.1 in between), and
+gives up with exit 1 once the server cannot be reached again."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from draftwise.hop import read_secret_file
 from tests.integration.procs import ServeProc, child_env
 from tests.integration.rpc import worker_loads
+from tests.integration.tcp_proxy import TcpProxy
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 160
@@ -32,11 +35,30 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
     s.close()
 
 
-def _command(serve: ServeProc) -> list[str]:
+def _command(address: str) -> list[str]:
     return [sys.executable, "-m", "draftwise.cli", "generate", PROMPT, f"--max-tokens={MAX_TOKENS}", "--ignore-eos"] + [
-        f"--server={serve.address}",
+        f"--server={address}",
         "--timeout=120",
     ]
+
+
+@pytest.fixture(scope="module")
+def expected(serve: ServeProc) -> bytes:
+    """What an undisturbed run prints."""
+    reference = subprocess.run(_command(serve.address), env=child_env(), capture_output=True, timeout=180)
+    assert reference.returncode == 0, reference.stderr.decode()
+    assert len(reference.stdout) > len(PROMPT) + PRINTED_BEFORE_KILL + 50, reference.stdout
+    return reference.stdout
+
+
+def _read_some(proc: subprocess.Popen) -> bytes:
+    """The command's output until it printed PRINTED_BEFORE_KILL bytes past the prompt."""
+    printed = b""
+    while len(printed) < len(PROMPT) + PRINTED_BEFORE_KILL:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, f"the command ended early: {proc.stderr.read().decode()}"
+        printed += chunk
+    return printed
 
 
 def _serving_worker(serve: ServeProc) -> tuple[str, int]:
@@ -54,19 +76,10 @@ def _serving_worker(serve: ServeProc) -> tuple[str, int]:
     raise AssertionError("no single worker is running the request")
 
 
-def test_generate_survives_kill_9_of_its_worker(serve):
-    reference = subprocess.run(_command(serve), env=child_env(), capture_output=True, timeout=180)
-    assert reference.returncode == 0, reference.stderr.decode()
-    expected = reference.stdout
-    assert len(expected) > len(PROMPT) + PRINTED_BEFORE_KILL + 50, expected
-
-    proc = subprocess.Popen(_command(serve), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def test_generate_survives_kill_9_of_its_worker(serve, expected):
+    proc = subprocess.Popen(_command(serve.address), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        printed = b""
-        while len(printed) < len(PROMPT) + PRINTED_BEFORE_KILL:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            assert chunk, f"the command ended early: {proc.stderr.read().decode()}"
-            printed += chunk
+        printed = _read_some(proc)
         name, pid = _serving_worker(serve)
         restarts = serve.ready_workers()[name]["restarts"]
         os.kill(pid, signal.SIGKILL)
@@ -86,3 +99,35 @@ def test_generate_survives_kill_9_of_its_worker(serve):
     while serve.ready_workers()[name]["restarts"] == restarts:
         assert time.monotonic() < deadline, f"{name} was not restarted"
         time.sleep(0.1)
+
+
+def test_generate_resumes_after_its_connection_is_reset(serve, expected):
+    proxy = TcpProxy(serve.port)
+    try:
+        proc = subprocess.Popen(
+            _command(proxy.address), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        printed = _read_some(proc)
+        assert proxy.drop() == 1
+        rest, err = proc.communicate(timeout=180)
+    finally:
+        proxy.close()
+    assert proc.returncode == 0, err.decode()
+    assert len(printed) < len(expected)
+    assert printed + rest == expected
+
+
+def test_generate_gives_up_when_the_server_stays_unreachable(serve):
+    proxy = TcpProxy(serve.port)
+    proc = subprocess.Popen(_command(proxy.address), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _read_some(proc)
+        proxy.close()  # reset, and nobody listens there any more
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1 and err.decode().startswith("error: UNAVAILABLE"), err.decode()
+    assert time.monotonic() - t0 >= 0.05 + 0.1 + 0.2 + 0.4 + 0.8  # it tried its 5 resumes first
