@@ -122,6 +122,24 @@ def test_session_resumes_every_request_of_a_dropped_stream(gateway, proxy):
     assert reconnects == 1 and resumes == [1] * len(cases)
 
 
+def test_session_sends_again_a_request_that_had_no_delta_when_the_stream_broke(gateway, proxy):
+    """The stream is reset right after the start was written: the request has (almost always)
+    no delta yet, so no handle, and the session sends it again on the new stream; if its first
+    delta did arrive, it is resumed. Either way: once, and exactly the undisturbed output."""
+    ref_ids, ref_text = _undisturbed(gateway.address, PROMPT, SEEDED)
+
+    async def main() -> tuple[list[Delta], int, int]:
+        async with AsyncClient(proxy.address, resume=FAST) as client, client.session(timeout=60) as s:
+            st = await s.generate(PROMPT, SEEDED)
+            assert proxy.drop() == 1
+            return await _rest(st), st.attempts, st.resumes
+
+    deltas, attempts, resumes = asyncio.run(main())
+    _check_contiguous(deltas)
+    assert [t for d in deltas for t in d.token_ids] == ref_ids and "".join(d.text for d in deltas) == ref_text
+    assert attempts + resumes == 2, (attempts, resumes)
+
+
 def test_resume_off_raises_the_transport_error(gateway, proxy):
     with Client(proxy.address, resume=None) as client, pytest.raises(GenerationError) as e:
         for d in client.generate(PROMPT, GREEDY, timeout=60):

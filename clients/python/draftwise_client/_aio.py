@@ -189,7 +189,8 @@ class RequestStream:
         self.progress = Progress(request_id)
         """Its resume handle and the tokens received (read by the session's reader)."""
         self.attempts = 1
-        """Times the request was sent (retries after a refusal included)."""
+        """Times the request was sent (retries after a refusal, and sends again on a new stream
+        when the old one broke before its first delta, included)."""
 
     @property
     def resumes(self) -> int:
@@ -346,6 +347,7 @@ class Session:
                         if stream._cancelled:
                             await self._call.write(gspb.GenerateRequest(cancel=pb.CancelGeneration(request_id=rid)))
                     else:
+                        stream.attempts += 1
                         await self._call.write(gspb.GenerateRequest(start=stream._start))
                 if self._half_closed:
                     await self._call.done_writing()
