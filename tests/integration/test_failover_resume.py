@@ -10,6 +10,9 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 import urllib.request
 
 import grpc
@@ -21,7 +24,7 @@ from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.worker import SamplingParams
 from tests.integration.conftest import reference_outputs
-from tests.integration.procs import metrics_port, start_gateway, start_workers
+from tests.integration.procs import ServeProc, child_env, metrics_port, start_gateway, start_workers
 from tests.integration.rpc import Result, start, start_req, wait_workers_idle, worker_loads, worker_metadata
 
 N_TOKENS = 80
@@ -303,6 +306,33 @@ def test_hung_worker_is_left_after_the_stall_time(cluster, reference):
     _assert_undisturbed(results, reference)
     assert _counter(gateway, 'draftwise_failovers_total{reason="stall"}') > before
     asyncio.run(asyncio.sleep(2.5))  # the hung worker comes back into rotation
+
+
+def test_draftwise_generate_survives_kill_9_of_its_only_worker(tmp_path, reference_llm):
+    """``draftwise generate --server`` against ``draftwise serve --workers 1``: the worker
+    serving it is killed mid-stream, the supervisor restarts it, the request fails over to the
+    restarted worker and the text streams on: exactly the undisturbed text, exit status 0."""
+    prompt, n = "def fibonacci(n):", 300
+    serve = ServeProc(tmp_path, "--failover-wait-s=60", workers=1).wait_listening()
+    try:
+        cmd = [sys.executable, "-m", "draftwise.cli", "generate", prompt, "--server", serve.address]
+        cmd += [f"--max-tokens={n}", "--ignore-eos", "--timeout=120"]
+        gen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True)
+        deadline = time.monotonic() + 60
+        while serve.metrics().get("draftwise_generation_tokens_total", 0) < 5:
+            assert time.monotonic() < deadline and gen.poll() is None, gen.stderr.read() if gen.poll() else ""
+            time.sleep(0.05)
+        (pid,) = serve.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        out, err = gen.communicate(timeout=120)
+        failovers = serve.metrics().get('draftwise_failovers_total{reason="unavailable"}', 0)
+    finally:
+        serve.close()
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    (ref,) = reference_outputs(reference_llm, [prompt], params)
+    assert gen.returncode == 0, err
+    assert out == prompt + ref.outputs[0].text + "\n"
+    assert failovers >= 1
 
 
 def test_kill_9_mid_stream_continues_token_for_token(cluster, reference):

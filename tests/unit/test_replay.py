@@ -4,8 +4,12 @@ a request that passes either cap loses resumability (and gives its bytes back)."
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from draftwise.gateway.config import GatewayConfig
+from draftwise.gateway.main import add_gateway_args, config_from_args
 from draftwise.gateway.replay import ReplayBudget, ReplayBuffer, ResumeError, new_handle
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generation_pb2 as pb
@@ -85,3 +89,31 @@ def test_handles_are_unguessable_and_url_safe():
     handles = {new_handle() for _ in range(1000)}
     assert len(handles) == 1000
     assert all(len(h) >= 22 and h.replace("-", "").replace("_", "").isalnum() for h in handles)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("max_failovers", -1, "max_failovers must be >= 0"),
+        ("failover_stall_s", 0, "failover_stall_s must be > 0"),
+        ("failover_wait_s", -1.0, "failover_wait_s must be > 0"),
+        ("resume_retention_s", -1.0, "resume_retention_s must be >= 0"),
+        ("resume_buffer_bytes", -1, "must be >= 0"),
+        ("resume_buffer_total_bytes", -1, "must be >= 0"),
+    ],
+)
+def test_failover_and_resume_settings_are_validated(field, value, words):
+    with pytest.raises(ValueError, match=words):
+        GatewayConfig(**{field: value})
+
+
+def test_failover_and_resume_flags():
+    p = argparse.ArgumentParser()
+    add_gateway_args(p)
+    flags = ["--max-failovers=1", "--failover-stall-s=5", "--failover-wait-s=3", "--resume-retention-s=0"]
+    flags += ["--resume-buffer-bytes=100", "--resume-buffer-total-bytes=1000"]
+    c = config_from_args(p.parse_args(flags), ("127.0.0.1:1",))
+    assert (c.max_failovers, c.failover_stall_s, c.failover_wait_s, c.resume_retention_s) == (1, 5.0, 3.0, 0.0)
+    assert (c.resume_buffer_bytes, c.resume_buffer_total_bytes) == (100, 1000)
+    d = config_from_args(p.parse_args([]), ("127.0.0.1:1",))
+    assert (d.max_failovers, d.failover_stall_s, d.resume_retention_s) == (2, 30.0, 60.0)
