@@ -8,7 +8,7 @@
    computation) against the previous per-request ``torch.Generator`` draws (one
    ``exponential_`` call per row), and the whole ``Sampler`` call with each.
 
-    python bench/bench_keyed.py [--only acceptance,noise] [--threads 2]
+    python bench/bench_keyed.py [--only acceptance,noise] [--threads 2] [--ks 3,5] [--prompts 8] [--tokens 128]
 
 Results go to bench/results/keyed.json and are printed as tables (docs/engine.md quotes them).
 """
@@ -34,15 +34,15 @@ NUM_PROMPTS = 8
 NEW_TOKENS = 128
 
 
-def bench_acceptance() -> list[dict]:
+def bench_acceptance(ks: list[int], num_prompts: int, new_tokens: int) -> list[dict]:
     rows = []
-    for k in (3, 5):
+    for k in ks:
         llm = LLM(dtype="float32", speculative_model="default", num_speculative_tokens=k, speculative_adaptive=False)
-        prompts = heldout_prompts(llm.get_tokenizer(), NUM_PROMPTS, (64, 128), seed=0)
+        prompts = heldout_prompts(llm.get_tokenizer(), num_prompts, (64, 128), seed=0)
         for temp in (0.7, 1.0):
             for scheme, seeded in (("rejection sampling (unseeded)", False), ("Gumbel coupling (seeded)", True)):
                 params = [
-                    SamplingParams(temperature=temp, max_tokens=NEW_TOKENS, ignore_eos=True, seed=i if seeded else None)
+                    SamplingParams(temperature=temp, max_tokens=new_tokens, ignore_eos=True, seed=i if seeded else None)
                     for i in range(len(prompts))
                 ]
                 outs = llm.generate(prompts, params, use_tqdm=False)
@@ -52,6 +52,8 @@ def bench_acceptance() -> list[dict]:
                 rows.append(
                     {
                         "k": k,
+                        "prompts": num_prompts,
+                        "new_tokens": new_tokens,
                         "temperature": temp,
                         "scheme": scheme,
                         "proposed": prop,
@@ -118,6 +120,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="acceptance,noise")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ks", default="3,5", help="acceptance: fixed k values")
+    ap.add_argument("--prompts", type=int, default=NUM_PROMPTS, help="acceptance: held-out prompts (one batch)")
+    ap.add_argument("--tokens", type=int, default=NEW_TOKENS, help="acceptance: new tokens per prompt")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     which = set(args.only.split(","))
@@ -127,7 +132,7 @@ def main() -> None:
     if "noise" in which:
         results["noise"] = bench_noise()
     if "acceptance" in which:
-        results["acceptance"] = bench_acceptance()
+        results["acceptance"] = bench_acceptance([int(k) for k in args.ks.split(",")], args.prompts, args.tokens)
     out_path.parent.mkdir(exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1) + "\n")
 
