@@ -47,7 +47,7 @@ MIN_KILLS = 5
 MAX_TOKENS = (32, 64)
 IN_FLIGHT = 24
 """Connections (GenerateStream calls or sessions) open at once."""
-KILL_AT = (0.06, 0.2, 0.34, 0.48, 0.62, 0.76)
+KILL_AT = (0.04, 0.14, 0.26, 0.38, 0.5, 0.62, 0.74)
 """Kills fall due as these shares of the streams have ended (spread over the run whatever the
 machine's speed), each at a random moment up to KILL_JITTER_S later, at least MIN_KILL_GAP_S
 after the previous one, on a random worker that is running requests, and only while at least
