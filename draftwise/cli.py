@@ -96,7 +96,31 @@ def _wait_serving(channel: object, timeout: float, metadata: list[tuple[str, str
         time.sleep(0.25)
 
 
+RESUME_ATTEMPTS = 5
+"""Reconnections in a row (without a new delta) ``generate --server`` makes after its
+connection dropped mid-stream, before it reports the error."""
+RESUME_BACKOFF_S = (0.05, 2.0)
+"""First and longest delay between those reconnections (doubling)."""
+TRANSPORT_DETAILS = ("Internal error from Core", "Stream removed", "Socket closed", "Connection reset")
+"""Details of a call the transport tore down (INTERNAL or UNKNOWN rather than UNAVAILABLE)."""
+
+
+def _transport_error(e: object) -> bool:
+    """Whether a failed call's status says the connection broke (not the server's verdict)."""
+    import grpc
+
+    code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and any(d in details for d in TRANSPORT_DETAILS)
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream the completion from a running server. Should the connection drop after the
+    first delta, reconnect and resume the request with its resume handle at the first token
+    not yet printed (the gateway fails the request over should its worker die): the text
+    goes on without a break, nothing repeated. Same contract as the Python client's
+    ResumePolicy (``draftwise_client``), which the wheel does not carry."""
     import grpc
 
     from draftwise.v1 import generate_service_pb2 as gspb
@@ -119,19 +143,50 @@ def _generate_remote(args: argparse.Namespace) -> int:
         params = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         start = pb.StartGeneration(model=args.model or "", prompt=pb.Prompt(text=args.prompt), sampling_params=params)
         stub = gsgrpc.GenerateServiceStub(channel)
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        handle, next_index, in_row = "", 0, 0
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-        try:
-            for resp in stub.GenerateStream(
-                gspb.GenerateStreamRequest(start=start), metadata=metadata, timeout=args.timeout
-            ):
-                if resp.event.WhichOneof("kind") == "delta":
-                    sys.stdout.write(resp.event.delta.text)
+        while True:
+            if handle:
+                req = gspb.GenerateStreamRequest(
+                    resume=gspb.ResumeGeneration(resume_handle=handle, next_token_index=next_index)
+                )
+            else:
+                req = gspb.GenerateStreamRequest(start=start)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = stub.GenerateStream(req, metadata=metadata, timeout=remaining)
+            try:
+                for resp in call:
+                    if resp.event.WhichOneof("kind") != "delta":
+                        continue
+                    d = resp.event.delta
+                    handle = handle or d.resume_handle
+                    if d.first_token_index + len(d.token_ids) <= next_index and d.token_ids:
+                        continue  # replayed after a resume: already printed
+                    if d.first_token_index != next_index:
+                        sys.stdout.write("\n")
+                        print(
+                            f"error: the stream skipped from token {next_index} to {d.first_token_index}",
+                            file=sys.stderr,
+                        )
+                        return 1
+                    next_index += len(d.token_ids)
+                    in_row = 0
+                    sys.stdout.write(d.text)
                     sys.stdout.flush()
-        except grpc.RpcError as e:
-            sys.stdout.write("\n")
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+                break
+            except grpc.RpcError as e:
+                in_row += 1
+                delay = min(RESUME_BACKOFF_S[1], RESUME_BACKOFF_S[0] * 2 ** (in_row - 1))
+                late = deadline is not None and time.monotonic() + delay >= deadline
+                if not handle or not _transport_error(e) or in_row > RESUME_ATTEMPTS or late:
+                    sys.stdout.write("\n")
+                    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+                    return 1
+            finally:
+                call.cancel()
+            time.sleep(delay)
         sys.stdout.write("\n")
     return 0
 

@@ -18,12 +18,16 @@ without torch.
 Errors raise :class:`GenerationError` carrying the gRPC status code and the server's message.
 A request refused before its first token (RESOURCE_EXHAUSTED, UNAVAILABLE) is retried with
 exponential backoff and jitter, honouring the server's retry hint (:class:`RetryPolicy`;
-``retry=None`` turns that off); never once a token arrived.
+``retry=None`` turns that off); never once a token arrived. A connection that drops after the
+first delta is resumed: the client reconnects with the request's resume handle and the count of
+tokens it has, and the caller sees one uninterrupted stream (:class:`ResumePolicy`;
+``resume=None`` turns that off).
 """
 
 from __future__ import annotations
 
 from draftwise_client._aio import AsyncClient, RequestStream, Session
+from draftwise_client._resume import ResumePolicy
 from draftwise_client._retry import RetryPolicy
 from draftwise_client._sync import Client
 from draftwise_client._types import (
@@ -47,6 +51,7 @@ __all__ = [
     "GenerationError",
     "ModelInfo",
     "RequestStream",
+    "ResumePolicy",
     "RetryPolicy",
     "SamplingParams",
     "Session",

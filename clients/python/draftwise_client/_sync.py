@@ -15,6 +15,7 @@ import grpc
 from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
+from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay, resume_outcome
 from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
 from draftwise_client._types import (
     Collector,
@@ -40,11 +41,15 @@ class Client:
         root_certificates: bytes | None = None,
         options: Sequence[tuple[str, int | str]] = (),
         retry: RetryPolicy | None = DEFAULT_RETRY,
+        resume: ResumePolicy | None = DEFAULT_RESUME,
     ) -> None:
         """``retry``: how requests refused before their first token (RESOURCE_EXHAUSTED,
-        UNAVAILABLE) are retried; None or ``RetryPolicy.off()``: never."""
+        UNAVAILABLE) are retried; None or ``RetryPolicy.off()``: never. ``resume``: how a
+        request whose connection dropped after its first delta is resumed; None or
+        ``ResumePolicy.off()``: never (the error is raised)."""
         self.connection = Connection(target, api_key, tls, root_certificates, tuple(options))
         self.retry = retry or RetryPolicy.off()
+        self.resume = resume or ResumePolicy.off()
         creds = self.connection.credentials
         if creds is None:
             self.channel = grpc.insecure_channel(target, options=list(options))
@@ -95,30 +100,48 @@ class Client:
     ) -> Iterator[Delta]:
         """Stream one request's deltas (the last has ``finish_reason``). Raises GenerationError.
         Leaving the loop early cancels the request on the server. A refusal before the first
-        delta is retried as the client's RetryPolicy says, within ``timeout`` (which covers
-        every attempt)."""
-        req = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
+        delta is retried as the client's RetryPolicy says; a connection that drops after it is
+        resumed as its ResumePolicy says (no delta lost or repeated); both within ``timeout``
+        (which covers every attempt)."""
+        start = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = 0
+        progress = Progress(request_id)
+        attempt = 0  # sends of the start
+        in_row = 0  # resumes since the last event
         while True:
-            attempt += 1
+            if progress.resumable:
+                req = gspb.GenerateStreamRequest(resume=progress.resume_message())
+            else:
+                attempt += 1
+                req = start
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=remaining)
-            received = False
             try:
                 for resp in call:
-                    received = True
-                    yield delta_from_event(resp.event)
+                    if progress.accept(resp.event):
+                        in_row = 0
+                        yield delta_from_event(resp.event)
                 return
             except grpc.RpcError as e:
+                if progress.finished:
+                    return  # the connection broke after the final event: nothing is missing
                 error = GenerationError.from_rpc(e, request_id)
-                error.attempts = attempt
-                delay = retry_delay(self.retry, error, attempt, received, deadline)
+                error.attempts, error.resumes = attempt, progress.resumes
+                error = resume_outcome(error, progress.cause)
+                if progress.resumable:
+                    in_row += 1
+                    delay = resume_delay(self.resume, error, in_row, deadline)
+                else:
+                    delay = retry_delay(self.retry, error, attempt, progress.received, deadline)
                 if delay is None:
                     raise error from None
             finally:
                 call.cancel()  # no-op once the call ended
             time.sleep(delay)
+            if progress.resumable:
+                progress.resumes += 1
+                progress.cause = error
+                log.info("resuming %s at token %d after %s", progress.handle, progress.next_index, error)
 
     def complete(
         self,

@@ -112,6 +112,7 @@ class Delta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     speculation: SpeculationStats | None = None  # on deltas of a speculating request
+    resume_handle: str = ""  # on a request's first delta: what a reconnecting client resumes it with
 
     @property
     def finished(self) -> bool:
@@ -156,7 +157,7 @@ class GenerationError(Exception):
     """A request failed: ``code`` is the gRPC status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
     UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...), ``message`` says what to do,
     ``retry_after_ms`` is the server's retry hint (None without one). ``attempts`` counts
-    the tries made, retries included."""
+    the tries made, retries included; ``resumes`` the reconnections after a dropped connection."""
 
     def __init__(
         self, code: grpc.StatusCode, message: str, request_id: str = "", retry_after_ms: int | None = None
@@ -167,6 +168,7 @@ class GenerationError(Exception):
         self.request_id = request_id
         self.retry_after_ms = retry_after_ms
         self.attempts = 1
+        self.resumes = 0
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError, request_id: str = "") -> GenerationError:
@@ -222,6 +224,7 @@ def delta_from_event(event: pb.GenerationEvent) -> Delta:
             first_token_index=d.first_token_index,
             logprobs=_logprobs(d.logprobs),
             speculation=_speculation(d.speculation) if d.HasField("speculation") else None,
+            resume_handle=d.resume_handle,
         )
     f = event.finished
     which = f.WhichOneof("stop_reason")
