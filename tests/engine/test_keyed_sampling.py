@@ -133,3 +133,22 @@ def test_restarted_midway_on_a_speculating_engine(alone: list[int]) -> None:
     rest = SamplingParams(temperature=0.8, top_p=0.95, seed=4242, max_tokens=N - m, ignore_eos=True)
     assert _run(engine, [("resumed", ids + alone[:m], rest)])["resumed"] == alone[m:]
     assert engine.spec_totals["proposed"] > 0
+
+
+@pytest.mark.parametrize("m", [1, 17, 29])
+def test_after_a_failover_with_its_continuation(plain: LLMEngine, alone: list[int], m: int) -> None:
+    """What the gateway does on failover: the same request (same prompt, same params) with the
+    m tokens already sent as its continuation, in a batch with others, on a speculating engine
+    too: the rest is exactly the undisturbed run's."""
+    for engine in (plain, _engine(speculative_model="default", num_speculative_tokens=3, speculative_adaptive=False)):
+        engine.add_request(f"failover{m}", PROMPT, SEEDED, continuation=alone[:m])
+        for rid, prompt, params in _others(8):
+            engine.add_request(f"{rid}-{m}", prompt, params)
+        got: list[int] = []
+        while engine.has_unfinished_requests():
+            for d in engine.step().deltas:
+                if d.request_id == f"failover{m}":
+                    assert d.first_token_index == m + len(got)
+                    got += d.token_ids
+        engine.check_idle_invariants()
+        assert got == alone[m:]
