@@ -111,7 +111,7 @@ def test_the_same_with_speculation(alone: list[int], spec: str) -> None:
     assert out["me"] == alone, spec
     totals = engine.spec_totals
     assert totals["proposed"] > 0, totals  # speculation did run
-    if spec.startswith("draft") and spec != "draft-adaptive":  # (the policy may switch a poor request off)
+    if spec.startswith("draft") and not spec.endswith("adaptive"):  # (the policy's k follows measured timings)
         assert 0 < totals["accepted"] < totals["proposed"], totals  # accepts and rejections both
 
 
