@@ -90,7 +90,7 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past EOS."""
     seed: int | None = None
-    """Seed of this request's own random generator; None draws a fresh random seed."""
+    """Keys this request's random numbers with each token's position (the same seed gives the same tokens whatever the batch, speculation or worker); None draws a fresh random seed."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token already generated, in [-2, 2]."""
     frequency_penalty: float = 0.0
