@@ -128,7 +128,11 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from draftwise.v1 import generation_pb2 as pb
 
     if args.tls_ca or args.tls:
-        roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        try:
+            roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        except OSError as e:
+            print(f"error: --tls-ca {args.tls_ca}: {e.strerror or e}", file=sys.stderr)
+            return 2
         channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(root_certificates=roots))
     else:
         channel = grpc.insecure_channel(args.server)
@@ -230,8 +234,34 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
+DEFAULT_SERVER_PORT = 50051
+"""The port ``--server HOST`` dials when it names none (the gateway's default)."""
+
+
+def server_address(text: str) -> str:
+    """``--server``'s target: HOST[:PORT], or [IPv6][:PORT]; without a port, the gateway's default."""
+    if text.count(":") > 1 and not text.startswith("["):  # a bare IPv6 address: its colons are its own
+        return f"[{text}]:{DEFAULT_SERVER_PORT}"
+    host, sep, port = text.rpartition(":")
+    if text.endswith("]") or not sep:
+        return f"{text}:{DEFAULT_SERVER_PORT}"  # no port given
+    if not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return text
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("draftwise")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftwise", description="draftwise: LLM serving with speculative decoding")
+    parser.add_argument("--version", action="version", version=f"draftwise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt: greedily in-process, or streamed from --server")
@@ -245,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (default; in-process)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu; in-process)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    g.add_argument("--server", default=None, help="host:port of a running `draftwise serve` (gateway) to stream from")
+    g.add_argument(
+        "--server",
+        type=server_address,
+        default=None,
+        help=f"HOST[:PORT] of a running `draftwise serve` (gateway) to stream from (port default {DEFAULT_SERVER_PORT})",
+    )
     g.add_argument(
         "--wait", type=float, default=0.0, help="with --server: wait up to this many seconds for it to serve"
     )

@@ -25,10 +25,21 @@ API_KEYS_ENV = "DRAFTWISE_API_KEYS"
 """Environment variable read for API keys (comma or whitespace separated), unless --api-keys-env says another."""
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1-65535 (or 0 for any free port)")
+    return port
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=d.port, help=f"gRPC port (default {d.port}; 0: any free port)")
     p.add_argument(
         "--max-in-flight", type=int, default=d.max_in_flight, help="requests in flight before RESOURCE_EXHAUSTED"
     )
@@ -60,7 +71,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off; 0: any)")
+    p.add_argument(
+        "--metrics-port", type=port_number, default=None, help="Prometheus /metrics port (default: off; 0: any)"
+    )
     p.add_argument(
         "--metrics-host", default=d.metrics_host, help=f"address of the metrics endpoint (default {d.metrics_host})"
     )
