@@ -163,7 +163,7 @@ class LLMEngine:
         """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
         steps (1 + k tokens per request) and of the draft's propose steps (a catch-up of 1 or
         2 tokens, then 1), for batch-size buckets up to max_num_seqs, all in one memory pool
-        (DESIGN §5). Returns the seconds capture took (0.0: none)."""
+        (docs/kernels.md). Returns the seconds capture took (0.0: none)."""
         cfg = self.config
         if self.loaded.device.type != "cuda":
             return 0.0

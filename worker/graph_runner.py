@@ -1,4 +1,4 @@
-"""CUDA graphs for the small steps: decode, verify and draft propose (DESIGN §5).
+"""CUDA graphs for the small steps: decode, verify and draft propose (docs/kernels.md).
 
 A decode step of a small batch is launch-bound: hundreds of kernels of a few microseconds,
 each paying Python and launch overhead. Captured once as a CUDA graph and replayed, the

@@ -1,4 +1,4 @@
-"""Token-budget scheduling (DESIGN §3).
+"""Token-budget scheduling (docs/engine.md, "Scheduling").
 
 Every request asks, each step, for the tokens it still has to compute: a chunk of its
 prompt, the one token it sampled last step, or (after a preemption) everything again. The

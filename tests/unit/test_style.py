@@ -24,3 +24,23 @@ def test_ruff_check():
 def test_ruff_format():
     res = subprocess.run([*_ruff(), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_product_refers_to_nothing_outside_its_repository():
+    """Docs and code point at the repository's own docs, never at files beside the checkout."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    folders = ["worker", "gateway", "kernels", "draftwise", "clients", "docs", "proto", "scripts", "bench"]
+    files = [
+        root / "README.md",
+        *(f for d in folders for f in (root / d).rglob("*") if f.suffix in {".py", ".md", ".proto"}),
+    ]
+    offenders = [
+        str(f.relative_to(root))
+        for f in files
+        if "../shared" in f.read_text(errors="replace")
+        or "DESIGN.md" in f.read_text(errors="replace")
+        or "DESIGN §" in f.read_text(errors="replace")
+    ]
+    assert not offenders, offenders

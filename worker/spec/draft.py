@@ -1,5 +1,5 @@
 """The draft-model proposer: a small model with its own weights and its own paged KV cache
-proposes k tokens for many requests at once, in batched draft steps (DESIGN §4).
+proposes k tokens for many requests at once, in batched draft steps (docs/engine.md, "Speculative decoding").
 
 Per request the draft cache holds the KV of the sequence's first ``req.num_draft_computed``
 tokens, in ``req.draft_block_table`` (blocks of this proposer's own pool). A proposal for a

@@ -1,4 +1,4 @@
-"""How many tokens to speculate, per request per step (DESIGN §4).
+"""How many tokens to speculate, per request per step (docs/engine.md, "Speculative decoding").
 
 Two layers:
 
