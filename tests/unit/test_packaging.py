@@ -20,7 +20,7 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ["pyproject.toml", "README.md", "LICENSE"]:
         shutil.copy(ROOT / name, src / name)
-    for name in ["draftwise", "worker", "kernels", "gateway", "proto"]:
+    for name in ["common", "worker", "kernels", "gateway", "proto"]:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
@@ -56,7 +56,7 @@ def test_wheel_has_every_module(wheel):
     """Packages are listed by hand in pyproject.toml: a subpackage left out would be missing."""
     names = set(zipfile.ZipFile(wheel).namelist())
     mapping = {
-        "draftwise": "draftwise",
+        "common": "draftwise",
         "worker": "draftwise/worker",
         "kernels": "draftwise/kernels",
         "gateway": "draftwise/gateway",
@@ -82,6 +82,17 @@ def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
     )
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
+    # From the repository root too: no folder there shadows the installed package.
+    env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", "import draftwise.worker.engine as e, draftwise.gateway.main; print(e.__file__)"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.startswith(str(target)), res.stdout + res.stderr
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
     code = "import draftwise.worker as w, sys; print(w.__file__); from draftwise.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run(

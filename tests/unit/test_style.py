@@ -31,7 +31,7 @@ def test_the_product_refers_to_nothing_outside_its_repository():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    folders = ["worker", "gateway", "kernels", "draftwise", "clients", "docs", "proto", "scripts", "bench"]
+    folders = ["worker", "gateway", "kernels", "common", "clients", "docs", "proto", "scripts", "bench"]
     files = [
         root / "README.md",
         *(f for d in folders for f in (root / d).rglob("*") if f.suffix in {".py", ".md", ".proto"}),

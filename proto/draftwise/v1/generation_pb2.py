@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64raftwise/v1/generation.proto\x12\x0c\x64raftwise.v1\"\xf7\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"v\n\x12SpeculationOptions\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16max_speculative_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_enabledB\x19\n\x17_max_speculative_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"M\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.draftwise.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xfa\x01\n\x0fStartGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x06prompt\x18\x03 \x01(\x0b\x32\x14.draftwise.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.draftwise.v1.SamplingParams\x12\x35\n\x0bspeculation\x18\x05 \x01(\x0b\x32 .draftwise.v1.SpeculationOptions\x12\x30\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x1a.draftwise.v1.Continuation\"]\n\x0c\x43ontinuation\x12\x18\n\x10output_token_ids\x18\x01 \x03(\r\x12\x33\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x1e.draftwise.v1.SpeculationStats\"&\n\x10\x43\x61ncelGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.draftwise.v1.TopLogprob\"\x91\x01\n\x10SpeculationStats\x12\x17\n\x0fproposed_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x05 \x01(\x04\"\xeb\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11\x66irst_token_index\x18\x03 \x01(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.draftwise.v1.TokenLogprob\x12\x33\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1e.draftwise.v1.SpeculationStats\x12\x15\n\rresume_handle\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\"\x83\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12#\n\x1bspeculative_proposed_tokens\x18\x03 \x01(\r\x12#\n\x1bspeculative_accepted_tokens\x18\x04 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xc5\x01\n\x08\x46inished\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.draftwise.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.draftwise.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.draftwise.v1.TimingsB\r\n\x0bstop_reason\"E\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\xb1\x01\n\x0fGenerationEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.draftwise.v1.TokenDeltaH\x00\x12*\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x16.draftwise.v1.FinishedH\x00\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.draftwise.v1.RequestErrorH\x00\x42\x06\n\x04kind*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64raftwise/v1/generation.proto\x12\x0c\x64raftwise.v1\"\xf7\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"v\n\x12SpeculationOptions\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16max_speculative_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_enabledB\x19\n\x17_max_speculative_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"y\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.draftwise.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.draftwise.v1.ChatMessagesH\x00\x42\x06\n\x04kind\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.draftwise.v1.ChatMessage\"\xfa\x01\n\x0fStartGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x06prompt\x18\x03 \x01(\x0b\x32\x14.draftwise.v1.Prompt\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.draftwise.v1.SamplingParams\x12\x35\n\x0bspeculation\x18\x05 \x01(\x0b\x32 .draftwise.v1.SpeculationOptions\x12\x30\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x1a.draftwise.v1.Continuation\"]\n\x0c\x43ontinuation\x12\x18\n\x10output_token_ids\x18\x01 \x03(\r\x12\x33\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x1e.draftwise.v1.SpeculationStats\"&\n\x10\x43\x61ncelGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.draftwise.v1.TopLogprob\"\x91\x01\n\x10SpeculationStats\x12\x17\n\x0fproposed_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x05 \x01(\x04\"\xeb\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11\x66irst_token_index\x18\x03 \x01(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.draftwise.v1.TokenLogprob\x12\x33\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1e.draftwise.v1.SpeculationStats\x12\x15\n\rresume_handle\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\"\x83\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12#\n\x1bspeculative_proposed_tokens\x18\x03 \x01(\r\x12#\n\x1bspeculative_accepted_tokens\x18\x04 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xc5\x01\n\x08\x46inished\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.draftwise.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.draftwise.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.draftwise.v1.TimingsB\r\n\x0bstop_reason\"E\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\xb1\x01\n\x0fGenerationEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.draftwise.v1.TokenDeltaH\x00\x12*\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x16.draftwise.v1.FinishedH\x00\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.draftwise.v1.RequestErrorH\x00\x42\x06\n\x04kind*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'draftwise.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2377
-  _globals['_FINISHREASON']._serialized_end=2497
+  _globals['_FINISHREASON']._serialized_start=2528
+  _globals['_FINISHREASON']._serialized_end=2648
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=551
   _globals['_SPECULATIONOPTIONS']._serialized_start=553
@@ -40,29 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=673
   _globals['_TOKENIDS']._serialized_end=696
   _globals['_PROMPT']._serialized_start=698
-  _globals['_PROMPT']._serialized_end=775
-  _globals['_STARTGENERATION']._serialized_start=778
-  _globals['_STARTGENERATION']._serialized_end=1028
-  _globals['_CONTINUATION']._serialized_start=1030
-  _globals['_CONTINUATION']._serialized_end=1123
-  _globals['_CANCELGENERATION']._serialized_start=1125
-  _globals['_CANCELGENERATION']._serialized_end=1163
-  _globals['_TOPLOGPROB']._serialized_start=1165
-  _globals['_TOPLOGPROB']._serialized_end=1212
-  _globals['_TOKENLOGPROB']._serialized_start=1214
-  _globals['_TOKENLOGPROB']._serialized_end=1325
-  _globals['_SPECULATIONSTATS']._serialized_start=1328
-  _globals['_SPECULATIONSTATS']._serialized_end=1473
-  _globals['_TOKENDELTA']._serialized_start=1476
-  _globals['_TOKENDELTA']._serialized_end=1711
-  _globals['_USAGE']._serialized_start=1714
-  _globals['_USAGE']._serialized_end=1845
-  _globals['_TIMINGS']._serialized_start=1847
-  _globals['_TIMINGS']._serialized_end=1924
-  _globals['_FINISHED']._serialized_start=1927
-  _globals['_FINISHED']._serialized_end=2124
-  _globals['_REQUESTERROR']._serialized_start=2126
-  _globals['_REQUESTERROR']._serialized_end=2195
-  _globals['_GENERATIONEVENT']._serialized_start=2198
-  _globals['_GENERATIONEVENT']._serialized_end=2375
+  _globals['_PROMPT']._serialized_end=819
+  _globals['_CHATMESSAGE']._serialized_start=821
+  _globals['_CHATMESSAGE']._serialized_end=865
+  _globals['_CHATMESSAGES']._serialized_start=867
+  _globals['_CHATMESSAGES']._serialized_end=926
+  _globals['_STARTGENERATION']._serialized_start=929
+  _globals['_STARTGENERATION']._serialized_end=1179
+  _globals['_CONTINUATION']._serialized_start=1181
+  _globals['_CONTINUATION']._serialized_end=1274
+  _globals['_CANCELGENERATION']._serialized_start=1276
+  _globals['_CANCELGENERATION']._serialized_end=1314
+  _globals['_TOPLOGPROB']._serialized_start=1316
+  _globals['_TOPLOGPROB']._serialized_end=1363
+  _globals['_TOKENLOGPROB']._serialized_start=1365
+  _globals['_TOKENLOGPROB']._serialized_end=1476
+  _globals['_SPECULATIONSTATS']._serialized_start=1479
+  _globals['_SPECULATIONSTATS']._serialized_end=1624
+  _globals['_TOKENDELTA']._serialized_start=1627
+  _globals['_TOKENDELTA']._serialized_end=1862
+  _globals['_USAGE']._serialized_start=1865
+  _globals['_USAGE']._serialized_end=1996
+  _globals['_TIMINGS']._serialized_start=1998
+  _globals['_TIMINGS']._serialized_end=2075
+  _globals['_FINISHED']._serialized_start=2078
+  _globals['_FINISHED']._serialized_end=2275
+  _globals['_REQUESTERROR']._serialized_start=2277
+  _globals['_REQUESTERROR']._serialized_end=2346
+  _globals['_GENERATIONEVENT']._serialized_start=2349
+  _globals['_GENERATIONEVENT']._serialized_end=2526
 # @@protoc_insertion_point(module_scope)
