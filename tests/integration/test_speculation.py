@@ -324,14 +324,20 @@ def test_ngram_server(tmp_path, reference_llm):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--num-speculative-tokens=3"], "num_speculative_tokens set without speculation"),
+        (["--num-speculative-tokens=3"], "--num-speculative-tokens set without speculation"),
         (
             ["--speculative-method=ngram", "--speculative-model=default"],
-            "speculative_method='ngram' uses no draft model",
+            "--speculative-method ngram needs no draft checkpoint: leave --speculative-model unset",
         ),
+        (["--speculative-method=medusa"], "--speculative-method must be one of draft, ngram, got 'medusa'"),
+        (["--speculative-model=default", "--prompt-lookup-max=3"], "--prompt-lookup-min/max apply to"),
+        (["--speculative-model=/no/such/draft"], "--speculative-model /no/such/draft: no such file or folder"),
+        (["--model=/no/such/model"], "--model /no/such/model: no such file or folder"),
+        (["--dtype=fp8"], "--dtype must be one of float32, bfloat16, float16, auto, got 'fp8'"),
     ],
 )
-def test_serve_reports_a_bad_combination(tmp_path, flags, message):
+def test_serve_refuses_bad_engine_flags_before_starting_a_worker(tmp_path, flags, message):
+    """Checked in the launcher, before any process starts; the message names the flags."""
     res = subprocess.run(
         [sys.executable, "-m", "draftwise.cli", "serve", "--port=0", *ENGINE_ARGS, *flags],
         env=child_env(),
@@ -340,6 +346,6 @@ def test_serve_reports_a_bad_combination(tmp_path, flags, message):
         timeout=60,
         cwd=tmp_path,
     )
-    assert res.returncode != 0
-    assert f"error: {message}" in res.stderr, res.stderr
-    assert "worker 0 exited with status 2 while starting" in res.stderr, res.stderr
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(f"error: {message}"), res.stderr
+    assert "worker 0" not in res.stderr and "Traceback" not in res.stderr, res.stderr
