@@ -27,7 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps
     max_model_len: int | None = None  # context length; None: the model's max_position_embeddings
     kv_cache_memory_bytes: int | None = (
-        None  # KV budget in bytes (CPU default 1 GiB; on CUDA overrides gpu_memory_utilization)
+        None  # KV budget in bytes (CPU default: max_num_seqs x max_model_len tokens, at most 1 GiB; CUDA: overrides gpu_memory_utilization)
     )
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
     num_kv_blocks: int | None = None  # exact KV block count, overriding both budgets (tests, tuning)

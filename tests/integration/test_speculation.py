@@ -30,7 +30,8 @@ from tests.integration.prompts import BASES
 from tests.integration.rpc import Result, start, start_req
 
 LISTENING = re.compile(
-    r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 worker; metrics on http://127\.0\.0\.1:(\d+)/metrics\); "
+    r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 worker, speculative decoding: (?:draft \S+|ngram) k<=\d+; "
+    r"metrics on http://127\.0\.0\.1:(\d+)/metrics\); "
     r"Ctrl-C stops$"
 )
 MAX_TOKENS = 32
