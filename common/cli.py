@@ -44,6 +44,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 def _generate(args: argparse.Namespace) -> int:
     from draftwise.worker import default_model_path
+    from draftwise.worker.config import EngineConfig, as_flags
     from draftwise.worker.greedy import greedy_tokens
     from draftwise.worker.loader import load_model
     from draftwise.worker.model_config import ModelLoadError
@@ -51,10 +52,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     folder = args.model or default_model_path("target")
     try:
+        EngineConfig(dtype=args.dtype, device=args.device)  # checks both before anything loads
         loaded = load_model(folder, dtype=args.dtype, device=args.device)
         tok = load_tokenizer(folder)
-    except (ModelLoadError, ValueError) as e:
+    except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a bad --dtype or --device
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
     ids = tok.encode(args.prompt)
     context = loaded.config.max_position_embeddings
