@@ -23,9 +23,7 @@ def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=f"seconds to wait (default {DEFAULT_TIMEOUT_S:g})"
     )
-    p.add_argument(
-        "--service", default="", help="service name to check (default: the whole server, the empty name)"
-    )
+    p.add_argument("--service", default="", help="service name to check (default: the whole server, the empty name)")
     p.add_argument("--tls", action="store_true", help="connect over TLS (system roots)")
     p.add_argument("--tls-ca", default=None, help="connect over TLS trusting this PEM root certificate")
 

@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m draftwise.gateway
     p = build_parser(prog)
     args = p.parse_args(argv)
     if not args.worker and not args.worker_dns:
-        p.error("give workers: --worker HOST:PORT and/or --worker-dns NAME:PORT (or DRAFTWISE_WORKER / DRAFTWISE_WORKER_DNS)")
+        p.error(
+            "give workers: --worker HOST:PORT and/or --worker-dns NAME:PORT (or DRAFTWISE_WORKER / DRAFTWISE_WORKER_DNS)"
+        )
     try:
         configure_logging(args.log_format, args.log_level)
         config = config_from_args(args, tuple(args.worker))
