@@ -112,3 +112,19 @@ def test_apply_env_with_explicit_mapping() -> None:
     assert (args.limit, args.verbose) == (3, True)
     assert p.parse_args(["--limit=5"]).limit == 5
     assert "how many [env: DRAFTWISE_LIMIT]" in " ".join(p.format_help().split())
+
+
+def test_serve_reads_the_environment() -> None:
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "DRAFTWISE_WORKERS": "0"}
+    p = subprocess.run(
+        [sys.executable, "-m", "draftwise.cli", "serve"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert p.returncode == 2 and p.stderr.splitlines()[-1] == "draftwise: error: --workers must be >= 1"
+    p = subprocess.run(
+        [sys.executable, "-m", "draftwise.cli", "serve", "--port=70000"],
+        capture_output=True,
+        text=True,
+        env={**env, "DRAFTWISE_WORKERS": "1"},
+        timeout=120,
+    )
+    assert p.returncode == 2 and "argument --port: 70000 is not a port" in p.stderr  # the flag, not the variable
