@@ -174,6 +174,17 @@ def test_placeholder_secret_is_refused(tmp_path: Path) -> None:
     f.chmod(0o600)
     with pytest.raises(ValueError, match="it needs at least 16"):
         read_secret_file(f)
+    # the documented replacement (docs/deploy.md) touches that value alone and makes a secret both sides accept
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    m = re.search(r'sed -i "s/([^/]+)/\$\(python3 -c \'([^\']+)\'\)/" deploy/kubernetes/secret.yaml', docs)
+    assert m, "docs/deploy.md shows how to replace the placeholder"
+    text = (K8S / "secret.yaml").read_text()
+    assert text.count(m.group(1)) == 1
+    value = subprocess.run([sys.executable, "-c", m.group(2)], capture_output=True, text=True, check=True).stdout
+    (doc,) = yaml.safe_load_all(text.replace(m.group(1), value.strip()))
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    f.write_text(doc["stringData"]["internal-secret"])
+    assert len(read_secret_file(f)) >= 32
 
 
 # --------------------------------------------------------------------------- compose
