@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -84,3 +85,42 @@ def test_healthz_tells_the_truth(gateway: Proc, idle_gateway: Proc) -> None:
         assert status == 404 and "try /metrics or /healthz" in body
     status, body = http_status(metrics_port(gateway), "/metrics")
     assert status == 200 and "draftwise_requests_in_flight" in body
+
+
+def test_healthz_turns_503_at_shutdown(workers: list[Proc], tmp_path: Path) -> None:
+    import threading
+
+    import grpc
+
+    from draftwise.v1 import generate_service_pb2 as gspb
+    from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+    from tests.integration.rpc import start
+
+    g = start_gateway(workers, tmp_path, "stopping-gateway", "--shutdown-grace=20")
+    try:
+        port = metrics_port(g)
+        assert http_status(port, "/healthz")[0] == 200
+        got: list[int] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with grpc.insecure_channel(g.address) as ch:
+                req = gspb.GenerateStreamRequest(start=start("x", max_tokens=400, temperature=0, ignore_eos=True))
+                for resp in gsgrpc.GenerateServiceStub(ch).GenerateStream(req, timeout=60):
+                    if resp.event.WhichOneof("kind") == "delta":
+                        got.extend(resp.event.delta.token_ids)
+                        first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(30)
+        g.popen.terminate()  # SIGTERM: in-flight requests get the grace period
+        deadline = time.monotonic() + 5
+        while http_status(port, "/healthz")[0] != 503:
+            assert time.monotonic() < deadline, "healthz still 200 after SIGTERM"
+            time.sleep(0.05)
+        assert g.popen.poll() is None and t.is_alive()  # still finishing its request
+        t.join(60)
+        assert len(got) == 400
+    finally:
+        g.stop()
