@@ -347,5 +347,6 @@ import draftwise.cli, draftwise.gateway.main, draftwise.gateway.server, draftwis
 for argv in (["gateway", "--help"], ["health", "--help"]):
     with contextlib.suppress(SystemExit):
         draftwise.cli.main(argv)
+assert draftwise.cli.main(["health", "127.0.0.1:1", "--timeout", "2"]) == 1  # a real check: nobody listens there
 print(json.dumps(sorted(blocked)))
 """
