@@ -315,7 +315,20 @@ def _version() -> str:
         return "unknown"
 
 
+SELF_PARSING = {
+    "worker": ("draftwise.worker.server", "run one worker (an engine behind WorkerService): one container"),
+    "gateway": ("draftwise.gateway.main", "run the gateway alone, in front of --worker / --worker-dns: one container"),
+}
+"""Subcommands that parse their own flags (see ``draftwise worker --help``): {name: (module, help)}."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SELF_PARSING:  # their own parsers: `gateway` never imports torch
+        import importlib
+
+        module = importlib.import_module(SELF_PARSING[argv[0]][0])
+        return module.main(argv[1:], prog=f"draftwise {argv[0]}")
     parser = argparse.ArgumentParser(prog="draftwise", description="draftwise: LLM serving with speculative decoding")
     parser.add_argument("--version", action="version", version=f"draftwise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -364,11 +377,22 @@ def main(argv: list[str] | None = None) -> int:
         "--threads-per-worker", type=int, default=None, help="CPU threads per worker (default: cores shared)"
     )
     s.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the workers may take to start")
+    from draftwise.envflags import apply_env
     from draftwise.gateway.main import add_gateway_args
+    from draftwise.health_cli import add_health_args
 
     add_gateway_args(s)
+    apply_env(s)
+    for name, (_module, help_) in SELF_PARSING.items():
+        sub.add_parser(name, help=help_, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
+    h = sub.add_parser("health", help="exit 0 when a gateway or worker answers grpc.health.v1 SERVING, else 1")
+    add_health_args(h)
 
     args = parser.parse_args(argv)
+    if args.command == "health":
+        from draftwise.health_cli import run
+
+        return run(args)
     if args.command == "generate":
         if args.max_tokens < 1:
             parser.error("--max-tokens must be >= 1")

@@ -1,5 +1,7 @@
-"""Command line of the gateway (``python -m draftwise.gateway``); its flags are shared with
-``draftwise serve``."""
+"""Command line of the gateway (``draftwise gateway``, also ``python -m draftwise.gateway``); its
+flags are shared with ``draftwise serve``. Every flag also reads ``DRAFTWISE_<FLAG>`` from the
+environment (:mod:`draftwise.envflags`). Workers are given by address (``--worker``) and/or found
+by name (``--worker-dns``, :mod:`draftwise.gateway.discovery`)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from typing import Any
 
 import structlog
 
+from draftwise.envflags import apply_env
 from draftwise.gateway.auth import load_api_keys
 from draftwise.gateway.config import GatewayConfig
+from draftwise.gateway.discovery import Discovery, DiscoveryConfig, dns_target, read_hosts_file
 from draftwise.gateway.server import Gateway, write_ready_file
 from draftwise.hop import read_secret_file
 from draftwise.logs import configure_logging
@@ -170,9 +174,16 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def _serve(config: GatewayConfig, ready_file: str | None, parent_pid: int | None = None) -> int:
+async def _serve(
+    config: GatewayConfig,
+    ready_file: str | None,
+    parent_pid: int | None = None,
+    discovery_config: DiscoveryConfig | None = None,
+) -> int:
     gateway = Gateway(config)
     await gateway.start()
+    discovery = Discovery(gateway.router, discovery_config or DiscoveryConfig(), static=config.workers)
+    await discovery.start()
     if ready_file:
         write_ready_file(ready_file, gateway.port)
     stops = 0
@@ -189,6 +200,8 @@ async def _serve(config: GatewayConfig, ready_file: str | None, parent_pid: int 
     await stop.wait()
     if watcher is not None:
         watcher.cancel()
+    await discovery.close()
+    gateway.metrics.health_probe = lambda: False  # /healthz: 503 from the first moment of the shutdown
     stopping = asyncio.create_task(gateway.stop())
     waiter = asyncio.create_task(now.wait())
     await asyncio.wait({stopping, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -199,21 +212,61 @@ async def _serve(config: GatewayConfig, ready_file: str | None, parent_pid: int 
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m draftwise.gateway", description="the draftwise gRPC gateway")
-    p.add_argument("--worker", action="append", default=[], required=True, help="worker host:port (repeat for more)")
+def add_discovery_args(p: argparse.ArgumentParser) -> None:
+    d = DiscoveryConfig()
+    p.add_argument("--worker", action="append", default=[], help="worker host:port (repeat for more)")
+    p.add_argument(
+        "--worker-dns",
+        action="append",
+        type=dns_target,
+        default=[],
+        help="NAME:PORT resolved periodically: every address it stands for is a worker (repeatable)",
+    )
+    p.add_argument(
+        "--discovery-interval-s",
+        type=float,
+        default=d.interval_s,
+        help=f"seconds between resolutions of --worker-dns (default {d.interval_s:g})",
+    )
+    p.add_argument(
+        "--hosts-file",
+        default=None,
+        help="resolve --worker-dns names from this hosts-format file only, re-read every round (default: system DNS)",
+    )
+
+
+def build_parser(prog: str = "python -m draftwise.gateway") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="the draftwise gRPC gateway")
+    add_discovery_args(p)
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the parent) is gone")
     add_gateway_args(p)
+    return apply_env(p)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m draftwise.gateway") -> int:
+    p = build_parser(prog)
     args = p.parse_args(argv)
+    if not args.worker and not args.worker_dns:
+        p.error(
+            "give workers: --worker HOST:PORT and/or --worker-dns NAME:PORT (or DRAFTWISE_WORKER / DRAFTWISE_WORKER_DNS)"
+        )
     try:
         configure_logging(args.log_format, args.log_level)
         config = config_from_args(args, tuple(args.worker))
+        discovery = DiscoveryConfig(
+            targets=tuple(args.worker_dns), interval_s=args.discovery_interval_s, hosts_file=args.hosts_file
+        )
+        if args.hosts_file is not None:
+            read_hosts_file(args.hosts_file)
+    except OSError as e:
+        print(f"error: --hosts-file {args.hosts_file}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        return run_loop(lambda: _serve(config, args.ready_file, args.parent_pid))
+        return run_loop(lambda: _serve(config, args.ready_file, args.parent_pid, discovery))
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,12 +1,19 @@
-"""Prometheus metrics of the gateway, on their own registry, served over HTTP by
-``prometheus_client.start_http_server`` (a thread; nothing here touches the event loop)."""
+"""Prometheus metrics of the gateway, on their own registry, served over HTTP from a thread
+(nothing here touches the event loop): ``/metrics`` (Prometheus' text format), ``/healthz``
+(200 ``ok`` while at least one worker serves, 503 otherwise: a load balancer's or an orchestrator's
+HTTP check) and 404 for every other path."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
 from draftwise.v1 import generation_pb2 as pb
 
@@ -20,6 +27,8 @@ class GatewayMetrics:
     """Every metric of one gateway (a fresh registry each, so tests can run several)."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    health_probe: Callable[[], bool] = lambda: False
+    """What ``/healthz`` reports: whether the gateway has a serving worker (the router sets it)."""
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -132,7 +141,39 @@ class GatewayMetrics:
             self.spec_accepted.inc(usage.speculative_accepted_tokens)
             self.acceptance_rate.observe(usage.speculative_accepted_tokens / proposed)
 
+    def forget_worker(self, name: str) -> None:
+        """Drop the per-worker series of a worker that left the pool."""
+        for gauge in (self.kv_usage, self.worker_running, self.worker_waiting, self.worker_tokens_per_second):
+            with contextlib.suppress(KeyError):
+                gauge.remove(name)
+        with contextlib.suppress(KeyError):
+            self.worker_healthy.remove(name)
+
+    def wsgi_app(self) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
+        """The HTTP endpoint: /metrics, /healthz, 404 elsewhere."""
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path == "/metrics":
+                return metrics_app(environ, start_response)
+            if path == "/healthz":
+                ok = self.health_probe()
+                body = b"ok\n" if ok else b"no serving worker\n"
+                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [body]
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: try /metrics or /healthz\n"]
+
+        return app
+
     def serve(self, host: str, port: int) -> WSGIServer:
-        """Start the /metrics endpoint (a daemon thread); the server's ``server_port`` is the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP endpoint (a daemon thread); the server's ``server_port`` is the bound port."""
+
+        class Server(ThreadingWSGIServer):
+            pass
+
+        Server.address_family, addr = _get_best_family(host, port)
+        server = make_server(addr, port, self.wsgi_app(), Server, handler_class=_SilentHandler)
+        threading.Thread(target=server.serve_forever, name="draftwise-metrics", daemon=True).start()
         return server

@@ -5,7 +5,13 @@ requests first (they change at once, polls lag) and the worker's queue and KV us
 Each worker has a stable name (``worker-0``... under ``draftwise serve``, else its address)
 that labels its metrics; a restarted worker may come back on another port, and
 :meth:`Router.replace_address` points the same name at it. Every call to a worker carries
-the internal secret (``draftwise.hop``) when the gateway has one."""
+the internal secret (``draftwise.hop``) when the gateway has one.
+
+Workers may also come and go while the gateway runs (``draftwise.gateway.discovery``):
+:meth:`Router.add_worker` adds one, :meth:`Router.retire_worker` takes one out of rotation at
+once and drops it when none of this gateway's requests runs on it any more (a live worker
+finishes them; calls to a dead one fail over). ``/healthz`` on the metrics port asks
+:attr:`Router.serving`."""
 
 from __future__ import annotations
 
@@ -71,6 +77,7 @@ class WorkerHandle:
     last_poll: float = 0.0
     slow_polls: int = 0  # consecutive GetLoad timeouts
     stalled_until: float = 0.0  # a request saw no progress on it: out of rotation until then (monotonic)
+    retired: bool = False  # discovery no longer lists it: out of rotation, dropped once idle
 
     def score(self) -> tuple[int, int, float]:
         """Lower is less loaded."""
@@ -137,12 +144,15 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         self.watchers: list[Callable[[], None]] = []
         """Called after every round of polls (the gateway's hang and drain detection for its requests)."""
+        self._closed = False
+        metrics.health_probe = lambda: self._serving and not self._closed
 
     async def start(self) -> None:
         await self.poll_all()
         self._task = asyncio.create_task(self._poll_loop(), name="draftwise-router-poll")
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -174,6 +184,42 @@ class Router:
         self._spawn(old.close(OLD_CHANNEL_GRACE_S))
         self._spawn(self._poll(w))
 
+    def add_worker(self, name: str, address: str) -> WorkerHandle:
+        """Add a worker (out of rotation until its first poll answers, which starts at once).
+        A retiring worker of that name is taken back instead; ValueError if one is active."""
+        for w in self.workers:
+            if w.name == name:
+                if not w.retired:
+                    raise ValueError(f"worker {name!r} is already in the pool")
+                w.retired = False
+                log.info("worker back in the pool", worker=name, address=w.address)
+                self._spawn(self._poll(w))
+                return w
+        w = WorkerHandle(name=name, **_connect(address, self._metadata))
+        self.workers.append(w)
+        self._set_healthy(w, False, NOT_POLLED)
+        log.info("worker added", worker=name, address=address)
+        self._spawn(self._poll(w))
+        return w
+
+    def retire_worker(self, name: str, reason: str) -> None:
+        """Take worker ``name`` out of rotation now and drop it once none of this gateway's
+        requests runs on it (checked after every round of polls)."""
+        w = self.worker(name)
+        if w.retired:
+            return
+        w.retired = True
+        self._set_healthy(w, False, f"retired: {reason}")
+        log.info("worker retiring", worker=name, address=w.address, reason=reason, in_flight=w.in_flight)
+        self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        for w in [w for w in self.workers if w.retired and w.in_flight == 0]:
+            self.workers.remove(w)
+            self.metrics.forget_worker(w.name)
+            log.info("worker dropped", worker=w.name, address=w.address)
+            self._spawn(w.channel.close(OLD_CHANNEL_GRACE_S))
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -183,6 +229,7 @@ class Router:
         while True:
             await asyncio.sleep(self.poll_interval_s)
             await self.poll_all()
+            self._drop_idle()
             for watch in self.watchers:
                 try:
                     watch()
@@ -193,6 +240,11 @@ class Router:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
     async def _poll(self, w: WorkerHandle) -> None:
+        await self._poll_once(w)
+        if w not in self.workers:  # dropped meanwhile: its metrics are gone, keep them so
+            self.metrics.forget_worker(w.name)
+
+    async def _poll_once(self, w: WorkerHandle) -> None:
         channel = w.channel
         try:
             call = w.get_load(wpb.GetLoadRequest(), timeout=self.timeout_s)
@@ -232,6 +284,9 @@ class Router:
         m.worker_tokens_per_second.labels(w.name).set(load.tokens_per_second)
         if w.stalled_until > time.monotonic():
             self._set_healthy(w, False, "a request made no progress on it (hung?)")
+            return
+        if w.retired:
+            self._set_healthy(w, False, w.last_error)
             return
         self._set_healthy(w, not load.draining, "draining" if load.draining else "")
 

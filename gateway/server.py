@@ -46,8 +46,6 @@ class Gateway:
     """One gateway: ``await start()``, serve, ``await stop()``."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        if not config.workers:
-            raise ValueError("the gateway needs at least one worker address")
         self.config = config
         self.metrics = GatewayMetrics()
         self.health = health.aio.HealthServicer()

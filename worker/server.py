@@ -34,6 +34,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from draftwise.envflags import apply_env
 from draftwise.hop import InternalSecretInterceptor, read_secret_file
 from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
@@ -288,10 +289,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, default=f.default)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="draftwise-worker", description="a draftwise worker process (WorkerService)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0: any free port (written to --ready-file)")
+def build_parser(prog: str = "python -m draftwise.worker.server") -> argparse.ArgumentParser:
+    """The worker's flags (``draftwise worker``), each also read from ``DRAFTWISE_<FLAG>``."""
+    from draftwise.gateway.main import port_number
+
+    p = argparse.ArgumentParser(prog=prog, description="a draftwise worker process (WorkerService)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument(
+        "--port", type=port_number, default=0, help="port to listen on (default 0: any free one, see --ready-file)"
+    )
     p.add_argument(
         "--model-name", default=None, help="the name clients use (default: draftwise-target, or the folder's name)"
     )
@@ -314,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
     _engine_args(p)
-    args = p.parse_args(argv)
+    return apply_env(p)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m draftwise.worker.server") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         configure_logging(args.log_format, args.log_level)
         cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -1,0 +1,126 @@
+"""Health checks a container runtime can use, against real processes: ``draftwise health
+HOST:PORT`` (exit 0 on SERVING, 1 otherwise with a one-line reason) for a gateway and a worker,
+and the gateway's HTTP ``/healthz`` (200 with a serving worker, 503 without; other paths 404)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.procs import Proc, child_env, metrics_port, start_gateway
+
+
+def health(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "draftwise.cli", "health", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
+
+
+def http_status(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def idle_gateway(tmp_path: Path):
+    """A gateway whose only worker name stands for nothing: up, not serving."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("")
+    g = start_gateway([], tmp_path, "idle-gateway", "--worker-dns=nothing.test:50061", f"--hosts-file={hosts}")
+    yield g
+    g.stop()
+
+
+def test_health_serving(gateway: Proc, workers: list[Proc]) -> None:
+    for target in (gateway.address, workers[0].address):  # a worker answers without the internal secret
+        p = health(target, "--timeout=10")
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == f"{target}: SERVING\n"
+
+
+def test_health_not_serving(idle_gateway: Proc) -> None:
+    p = health(idle_gateway.address)
+    assert p.returncode == 1
+    assert p.stderr == f"{idle_gateway.address}: health is NOT_SERVING\n"
+    p = health(idle_gateway.address, "--service=no.such.Service")
+    assert p.returncode == 1 and p.stderr.startswith(f"{idle_gateway.address}: NOT_FOUND")
+
+
+def test_health_unreachable_and_bad_flags(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = health(f"127.0.0.1:{port}", "--timeout=2")
+    assert p.returncode == 1
+    assert p.stderr.startswith(f"127.0.0.1:{port}: UNAVAILABLE") and p.stderr.count("\n") == 1
+    p = health("127.0.0.1:1", "--timeout=0")
+    assert p.returncode == 2 and p.stderr == "error: --timeout must be > 0\n"
+    p = health("127.0.0.1:notaport")
+    assert p.returncode == 2 and "not HOST:PORT: '127.0.0.1:notaport'" in p.stderr
+    p = health("127.0.0.1:1", f"--tls-ca={tmp_path / 'missing.pem'}")
+    assert p.returncode == 2 and p.stderr == f"error: --tls-ca {tmp_path / 'missing.pem'}: No such file or directory\n"
+
+
+def test_healthz_tells_the_truth(gateway: Proc, idle_gateway: Proc) -> None:
+    status, body = http_status(metrics_port(gateway), "/healthz")
+    assert (status, body) == (200, "ok\n")
+    status, body = http_status(metrics_port(idle_gateway), "/healthz")
+    assert (status, body) == (503, "no serving worker\n")
+    for path in ("/", "/metricsx", "/healthz/x"):
+        status, body = http_status(metrics_port(gateway), path)
+        assert status == 404 and "try /metrics or /healthz" in body
+    status, body = http_status(metrics_port(gateway), "/metrics")
+    assert status == 200 and "draftwise_requests_in_flight" in body
+
+
+def test_healthz_turns_503_at_shutdown(workers: list[Proc], tmp_path: Path) -> None:
+    import threading
+
+    import grpc
+
+    from draftwise.v1 import generate_service_pb2 as gspb
+    from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+    from tests.integration.rpc import start
+
+    g = start_gateway(workers, tmp_path, "stopping-gateway", "--shutdown-grace=20")
+    try:
+        port = metrics_port(g)
+        assert http_status(port, "/healthz")[0] == 200
+        got: list[int] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with grpc.insecure_channel(g.address) as ch:
+                req = gspb.GenerateStreamRequest(start=start("x", max_tokens=400, temperature=0, ignore_eos=True))
+                for resp in gsgrpc.GenerateServiceStub(ch).GenerateStream(req, timeout=60):
+                    if resp.event.WhichOneof("kind") == "delta":
+                        got.extend(resp.event.delta.token_ids)
+                        first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(30)
+        g.popen.terminate()  # SIGTERM: in-flight requests get the grace period
+        deadline = time.monotonic() + 5
+        while http_status(port, "/healthz")[0] != 503:
+            assert time.monotonic() < deadline, "healthz still 200 after SIGTERM"
+            time.sleep(0.05)
+        assert g.popen.poll() is None and t.is_alive()  # still finishing its request
+        t.join(60)
+        assert len(got) == 400
+    finally:
+        g.stop()
