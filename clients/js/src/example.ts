@@ -3,7 +3,7 @@
 // completion, resumes a request whose call it dropped on purpose, and multiplexes three
 // requests on one Generate stream, cancelling one of them.
 //
-//   node dist/example.js --server 127.0.0.1:50051 [--prompt "def fibonacci(n):"] [--max-tokens 24] [--json]
+//   node dist/example.js --server 127.0.0.1:50051 [--prompt "def fibonacci(n):"] [--max-tokens 24] [--model NAME] [--json]
 //
 // With --json it prints one JSON object per scenario (machine-readable); otherwise the text.
 
@@ -47,14 +47,20 @@ function params(maxTokens: number): Request["params"] {
   return { maxTokens, temperature: 0, ignoreEos: true };
 }
 
-async function run(client: Client, prompt: string, maxTokens: number, print: (name: string, results: Result[]) => void): Promise<void> {
+async function run(
+  client: Client,
+  model: string,
+  prompt: string,
+  maxTokens: number,
+  print: (name: string, results: Result[]) => void,
+): Promise<void> {
   // 1. stream one completion
-  const s = client.stream({ prompt: text(prompt), params: params(maxTokens) });
+  const s = client.stream({ model, prompt: text(prompt), params: params(maxTokens) });
   const streamed = await collect(s);
   print("stream", [toResult(streamed, s.resumeHandle)]);
 
   // 2. resume: read the first delta, drop the call, reattach with the resume handle
-  const dropped = client.stream({ prompt: text(prompt), params: params(maxTokens) });
+  const dropped = client.stream({ model, prompt: text(prompt), params: params(maxTokens) });
   const whole = empty("");
   for await (const ev of dropped) {
     whole.requestId = ev.requestId;
@@ -71,9 +77,9 @@ async function run(client: Client, prompt: string, maxTokens: number, print: (na
   // 3. multiplex three requests on one Generate stream; cancel the long one after its first delta
   const session = client.session();
   const reqs: Request[] = [
-    { id: "a", prompt: text(prompt), params: params(maxTokens) },
-    { id: "b", prompt: text("class Stack:"), params: params(Math.floor(maxTokens / 2)) },
-    { id: "long", prompt: text("import os"), params: params(400) },
+    { id: "a", model, prompt: text(prompt), params: params(maxTokens) },
+    { id: "b", model, prompt: text("class Stack:"), params: params(Math.floor(maxTokens / 2)) },
+    { id: "long", model, prompt: text("import os"), params: params(400) },
   ];
   const results = await Promise.all(
     reqs.map(async (req) => {
@@ -115,6 +121,7 @@ async function main(): Promise<number> {
       "api-key": { type: "string", default: process.env.DRAFTWISE_API_KEY ?? "" },
       prompt: { type: "string", default: "def fibonacci(n):" },
       "max-tokens": { type: "string", default: "24" },
+      model: { type: "string", default: "" },
       json: { type: "boolean", default: false },
     },
   });
@@ -134,7 +141,7 @@ async function main(): Promise<number> {
   };
   const client = new Client(values.server, { apiKey: values["api-key"] || undefined });
   try {
-    await run(client, values.prompt, maxTokens, print);
+    await run(client, values.model, values.prompt, maxTokens, print);
     return 0;
   } catch (err) {
     console.error(`draftwise-example: ${err instanceof Error ? err.message : String(err)}`);

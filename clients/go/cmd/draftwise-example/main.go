@@ -2,7 +2,7 @@
 // completion, resumes a request whose call it dropped on purpose, and multiplexes three
 // requests on one Generate stream, cancelling one of them.
 //
-//	draftwise-example -server 127.0.0.1:50051 [-prompt "def fibonacci(n):"] [-max-tokens 24] [-json]
+//	draftwise-example -server 127.0.0.1:50051 [-prompt "def fibonacci(n):"] [-max-tokens 24] [-model NAME] [-json]
 //
 // With -json it prints one JSON object per scenario (machine-readable); otherwise the text.
 package main
@@ -80,9 +80,9 @@ func params(maxTokens uint32) *pb.SamplingParams {
 	return &pb.SamplingParams{MaxTokens: draftwise.Uint32(maxTokens), Temperature: draftwise.Float64(0), IgnoreEos: true}
 }
 
-func run(ctx context.Context, c *draftwise.Client, prompt string, maxTokens uint32, p printer) error {
+func run(ctx context.Context, c *draftwise.Client, model, prompt string, maxTokens uint32, p printer) error {
 	// 1. stream one completion
-	s, err := c.Stream(ctx, draftwise.Request{Prompt: draftwise.Text(prompt), Params: params(maxTokens)})
+	s, err := c.Stream(ctx, draftwise.Request{Model: model, Prompt: draftwise.Text(prompt), Params: params(maxTokens)})
 	if err != nil {
 		return err
 	}
@@ -93,7 +93,7 @@ func run(ctx context.Context, c *draftwise.Client, prompt string, maxTokens uint
 	}
 
 	// 2. resume: read the first delta, drop the call, reattach with the resume handle
-	s, err = c.Stream(ctx, draftwise.Request{Prompt: draftwise.Text(prompt), Params: params(maxTokens)})
+	s, err = c.Stream(ctx, draftwise.Request{Model: model, Prompt: draftwise.Text(prompt), Params: params(maxTokens)})
 	if err != nil {
 		return err
 	}
@@ -127,9 +127,9 @@ func run(ctx context.Context, c *draftwise.Client, prompt string, maxTokens uint
 	}
 	defer session.Close()
 	reqs := []draftwise.Request{
-		{ID: "a", Prompt: draftwise.Text(prompt), Params: params(maxTokens)},
-		{ID: "b", Prompt: draftwise.Text("class Stack:"), Params: params(maxTokens / 2)},
-		{ID: "long", Prompt: draftwise.Text("import os"), Params: params(400)},
+		{ID: "a", Model: model, Prompt: draftwise.Text(prompt), Params: params(maxTokens)},
+		{ID: "b", Model: model, Prompt: draftwise.Text("class Stack:"), Params: params(maxTokens / 2)},
+		{ID: "long", Model: model, Prompt: draftwise.Text("import os"), Params: params(400)},
 	}
 	streams := make([]*draftwise.RequestStream, len(reqs))
 	for i, r := range reqs {
@@ -192,6 +192,7 @@ func main() {
 	apiKey := flag.String("api-key", os.Getenv("DRAFTWISE_API_KEY"), "API key (default $DRAFTWISE_API_KEY)")
 	prompt := flag.String("prompt", "def fibonacci(n):", "prompt of the streamed request")
 	maxTokens := flag.Uint("max-tokens", 24, "tokens per request (greedy, EOS ignored)")
+	model := flag.String("model", "", "served model name (default: the server's default model)")
 	asJSON := flag.Bool("json", false, "print one JSON object per scenario")
 	timeout := flag.Duration("timeout", 120*time.Second, "deadline of the whole run")
 	flag.Parse()
@@ -212,7 +213,7 @@ func main() {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()
-	if err := run(ctx, c, *prompt, uint32(*maxTokens), printer{json: *asJSON, out: os.Stdout}); err != nil {
+	if err := run(ctx, c, *model, *prompt, uint32(*maxTokens), printer{json: *asJSON, out: os.Stdout}); err != nil {
 		fmt.Fprintln(os.Stderr, "draftwise-example:", err)
 		os.Exit(1)
 	}

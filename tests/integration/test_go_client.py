@@ -1,0 +1,161 @@
+"""The Go client (clients/go) against a live ``draftwise serve`` on 127.0.0.1: built with
+Debian's Go toolchain in GOPATH mode (offline), its example streams one completion, resumes a
+request whose call it dropped, and multiplexes three requests on one Generate stream,
+cancelling one; the test parses its JSON output. Without ``go`` the tests skip, or fail when
+DRAFTWISE_REQUIRE_GO=1 (as the CI command sets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.procs import CLIENT_DIR, ROOT, ServeProc
+
+sys.path.insert(0, str(CLIENT_DIR))
+from draftwise_client import Client, SamplingParams  # noqa: E402
+
+GO_DIR = ROOT / "clients" / "go"
+MODULE = "github.com/draftwise/draftwise/clients/go"
+DEBIAN_GOPATH = "/usr/share/gocode"
+"""Where Debian's golang-*-dev packages put their sources (grpc, protobuf)."""
+GO_MISSING = (
+    "go is not on PATH: apt-get install golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc "
+    "golang-google-grpc-dev golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev; "
+    "set DRAFTWISE_REQUIRE_GO=1 to fail instead"
+)
+MAX_TOKENS = 16
+PROMPT = "def fibonacci(n):"
+
+
+def require(tool: str, env: str, missing: str) -> str:
+    exe = shutil.which(tool)
+    if exe is None:
+        if os.environ.get(env):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return exe
+
+
+def go_env(gopath: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        GO111MODULE="off", GOPATH=f"{gopath}{os.pathsep}{DEBIAN_GOPATH}", GOFLAGS="", GOPROXY="off", CGO_ENABLED="0"
+    )
+    env.setdefault("GOCACHE", str(gopath.parent / "gocache"))
+    return env
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """clients/go copied into a GOPATH at its import path, vetted, the example built."""
+    go = require("go", "DRAFTWISE_REQUIRE_GO", GO_MISSING)
+    tmp = tmp_path_factory.mktemp("go")
+    gopath = tmp / "gopath"
+    shutil.copytree(GO_DIR, gopath / "src" / MODULE)
+    env = go_env(gopath)
+    packages = [f"{MODULE}/draftwisev1", f"{MODULE}/draftwise", f"{MODULE}/cmd/draftwise-example"]
+    vet = subprocess.run([go, "vet", *packages], env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
+    assert vet.returncode == 0, vet.stdout + vet.stderr
+    binary = tmp / "draftwise-example"
+    build = subprocess.run(
+        [go, "build", "-o", str(binary), packages[-1]], env=env, cwd=tmp, capture_output=True, text=True, timeout=600
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    return binary
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
+    s = ServeProc(tmp_path_factory.mktemp("serve")).wait_listening()
+    yield s
+    s.close()
+
+
+def run_example(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def parse(stdout: str) -> dict[str, dict[str, dict]]:
+    """{scenario: {request id: result}} from the example's JSON lines."""
+    out: dict[str, dict[str, dict]] = {}
+    for line in stdout.splitlines():
+        obj = json.loads(line)
+        out[obj["scenario"]] = {r["id"]: r for r in obj["requests"]}
+    return out
+
+
+def assert_contiguous(r: dict) -> None:
+    """Deltas start at token 0, each where the previous one ended, and add up to the tokens."""
+    deltas = r["deltas"]
+    assert deltas and deltas[0][0] == 0, r
+    for (first, n), (nxt, _) in zip(deltas, deltas[1:], strict=False):
+        assert nxt == first + n, f"gap or overlap in {deltas}"
+    assert sum(n for _, n in deltas) == len(r["token_ids"]), r
+
+
+def check_example_output(stdout: str, server: str, max_tokens: int = MAX_TOKENS) -> None:
+    """What both examples (Go, TypeScript) must have printed against a live server."""
+    got = parse(stdout)
+    assert set(got) == {"stream", "resume", "multiplex"}, stdout
+    (streamed,) = got["stream"].values()
+    (resumed,) = got["resume"].values()
+    for r in (streamed, resumed):
+        assert r["finish_reason"] == "FINISH_REASON_LENGTH" and not r.get("error"), r
+        assert r["completion_tokens"] == len(r["token_ids"]) == max_tokens and r["prompt_tokens"] > 0, r
+        assert r["resume_handle"], "the first delta carries a resume handle"
+        assert_contiguous(r)
+    # greedy: the request resumed after its call was dropped has exactly the undisturbed tokens
+    assert resumed["token_ids"] == streamed["token_ids"] and resumed["text"] == streamed["text"]
+
+    mux = got["multiplex"]
+    assert set(mux) == {"a", "b", "long"}, mux
+    a, b, long = mux["a"], mux["b"], mux["long"]
+    for r, n in ((a, max_tokens), (b, max_tokens // 2)):
+        assert r["finish_reason"] == "FINISH_REASON_LENGTH" and not r.get("error"), r
+        assert r["completion_tokens"] == len(r["token_ids"]) == n, r
+        assert_contiguous(r)
+    assert a["token_ids"] == streamed["token_ids"], "the same greedy request on a bidi stream gives the same tokens"
+    assert long["finish_reason"] == "FINISH_REASON_ABORT" and not long.get("error"), long
+    assert long["prompt_tokens"] > 0 and 1 <= len(long["token_ids"]) <= long["completion_tokens"] < 400, long
+    assert_contiguous(long)
+
+    # and what the Python client gets for the same request
+    with Client(server) as client:
+        py = client.complete(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    assert list(py.token_ids) == streamed["token_ids"] and py.text == streamed["text"]
+
+
+def test_example_against_a_live_server(example: Path, serve: ServeProc) -> None:
+    res = run_example([str(example), "-server", serve.address, "-json", "-max-tokens", str(MAX_TOKENS)])
+    assert res.returncode == 0, res.stderr
+    check_example_output(res.stdout, serve.address)
+
+
+def test_example_prints_text_without_json(example: Path, serve: ServeProc) -> None:
+    res = run_example([str(example), "-server", serve.address, "-max-tokens", "4"])
+    assert res.returncode == 0, res.stderr
+    assert "== multiplex long: FINISH_REASON_ABORT" in res.stdout and "== stream " in res.stdout
+
+
+def test_unknown_model_is_the_servers_message(example: Path, serve: ServeProc) -> None:
+    res = run_example([str(example), "-server", serve.address, "-model", "nope"])
+    assert res.returncode == 1
+    assert "InvalidArgument" in res.stderr and "unknown model 'nope'" in res.stderr, res.stderr
+
+
+def test_no_server_is_unavailable(example: Path) -> None:
+    res = run_example([str(example), "-server", "127.0.0.1:1", "-timeout", "20s"])
+    assert res.returncode == 1
+    assert "Unavailable" in res.stderr, res.stderr
+
+
+def test_bad_flag_is_refused(example: Path) -> None:
+    res = run_example([str(example), "-max-tokens", "1"])
+    assert res.returncode == 2 and "-max-tokens must be at least 2" in res.stderr, res.stderr
