@@ -1,0 +1,92 @@
+"""The TypeScript client (clients/js) against a live ``draftwise serve`` on 127.0.0.1: compiled
+with the package's own TypeScript (``npm ci`` in clients/js installs it), its example streams
+one completion, resumes a request whose call it dropped, and multiplexes three requests on one
+Generate stream, cancelling one; the checks are the Go example's. Without node or the installed
+packages the tests skip, or fail when DRAFTWISE_REQUIRE_NODE=1 (as the CI command sets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.procs import ROOT, ServeProc
+from tests.integration.test_go_client import MAX_TOKENS, check_example_output, run_example
+
+JS_DIR = ROOT / "clients" / "js"
+NODE_MISSING = "node is not on PATH (Node.js >= 20); set DRAFTWISE_REQUIRE_NODE=1 to fail instead"
+NPM_MISSING = (
+    "clients/js/node_modules is missing: run `npm ci` in clients/js; set DRAFTWISE_REQUIRE_NODE=1 to fail instead"
+)
+
+
+def _fail_or_skip(message: str) -> None:
+    if os.environ.get("DRAFTWISE_REQUIRE_NODE"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def example() -> list[str]:
+    """The package compiled (tsc, strict) into clients/js/dist; the command that runs its example."""
+    node = shutil.which("node")
+    if node is None:
+        _fail_or_skip(NODE_MISSING)
+    tsc = JS_DIR / "node_modules" / ".bin" / "tsc"
+    if not tsc.exists():
+        _fail_or_skip(NPM_MISSING)
+    shutil.rmtree(JS_DIR / "dist", ignore_errors=True)
+    build = subprocess.run([str(tsc), "-p", "tsconfig.json"], cwd=JS_DIR, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert (JS_DIR / "dist" / "index.d.ts").is_file()
+    return [str(node), str(JS_DIR / "dist" / "example.js")]
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
+    s = ServeProc(tmp_path_factory.mktemp("serve")).wait_listening()
+    yield s
+    s.close()
+
+
+def test_example_against_a_live_server(example: list[str], serve: ServeProc) -> None:
+    res = run_example([*example, "--server", serve.address, "--json", "--max-tokens", str(MAX_TOKENS)])
+    assert res.returncode == 0, res.stderr
+    check_example_output(res.stdout, serve.address)
+
+
+def test_example_prints_text_without_json(example: list[str], serve: ServeProc) -> None:
+    res = run_example([*example, "--server", serve.address, "--max-tokens", "4"])
+    assert res.returncode == 0, res.stderr
+    assert "== multiplex long: FINISH_REASON_ABORT" in res.stdout and "== stream " in res.stdout
+
+
+def test_unknown_model_is_the_servers_message(example: list[str], serve: ServeProc) -> None:
+    res = run_example([*example, "--server", serve.address, "--model", "nope"])
+    assert res.returncode == 1
+    assert "InvalidArgument" in res.stderr and "unknown model 'nope'" in res.stderr, res.stderr
+
+
+def test_no_server_is_unavailable(example: list[str]) -> None:
+    res = run_example([*example, "--server", "127.0.0.1:1"])
+    assert res.returncode == 1
+    assert "Unavailable" in res.stderr, res.stderr
+
+
+def test_bad_flag_is_refused(example: list[str]) -> None:
+    res = run_example([*example, "--max-tokens", "1"])
+    assert res.returncode == 2 and "--max-tokens must be an integer of at least 2" in res.stderr, res.stderr
+
+
+def test_lockfile_pins_what_is_installed() -> None:
+    """`npm ci` installs exactly package-lock.json, which agrees with package.json."""
+    pkg = json.loads((JS_DIR / "package.json").read_text())
+    lock = json.loads((JS_DIR / "package-lock.json").read_text())
+    root = lock["packages"][""]
+    assert root["dependencies"] == pkg["dependencies"] and root["devDependencies"] == pkg["devDependencies"]
+    for name, version in {**pkg["dependencies"], **pkg["devDependencies"]}.items():
+        assert lock["packages"][f"node_modules/{name}"]["version"] == version, name
