@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -90,3 +91,15 @@ def test_lockfile_pins_what_is_installed() -> None:
     assert root["dependencies"] == pkg["dependencies"] and root["devDependencies"] == pkg["devDependencies"]
     for name, version in {**pkg["dependencies"], **pkg["devDependencies"]}.items():
         assert lock["packages"][f"node_modules/{name}"]["version"] == version, name
+
+
+def test_readme_snippet_runs(example: list[str], serve: ServeProc) -> None:
+    """The TypeScript block of clients/js/README.md (plain JavaScript as written) runs against the server."""
+    (code,) = re.findall(r"^```ts\n(.*?)^```", (JS_DIR / "README.md").read_text(), flags=re.S | re.M)
+    code = code.replace('"@draftwise/client"', '"./index.js"').replace("127.0.0.1:50051", serve.address)
+    script = JS_DIR / "dist" / "readme_snippet.mjs"
+    script.write_text(code)
+    res = run_example([example[0], str(script)], timeout=120)
+    assert res.returncode == 0, res.stderr
+    # the streamed text, then its finish reason (1 STOP or 2 LENGTH) and completion tokens
+    assert re.search(r"^[12] \d+$", res.stdout, flags=re.M), res.stdout
