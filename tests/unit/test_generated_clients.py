@@ -276,3 +276,12 @@ def test_buf_breaking_catches_a_removed_field(tmp_path):
     source.write_text(changed)
     findings = _breaking(buf, proto, _last_release())
     assert any(f["type"] == "FIELD_NO_DELETE" and "ignore_eos" in f["message"] for f in findings), findings
+
+
+def test_the_reflection_set_ships_in_the_package():
+    """The gateway reads generate_service.binpb at start: a wheel without it could not serve."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["draftwise.v1"]
+    assert "*.binpb" in data
+    assert (PROTO / "draftwise" / "v1" / "generate_service.binpb").is_file()
