@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.procs import CLIENT_DIR, ROOT, ServeProc
+from tests.integration.tcp_proxy import TcpProxy
 
 sys.path.insert(0, str(CLIENT_DIR))
 from draftwise_client import Client, SamplingParams  # noqa: E402
@@ -32,6 +34,8 @@ GO_MISSING = (
 )
 MAX_TOKENS = 16
 PROMPT = "def fibonacci(n):"
+RECONNECT_TOKENS = 200
+"""Long enough that the request is still running when the connection is reset after 3 deltas."""
 
 
 def require(tool: str, env: str, missing: str) -> str:
@@ -132,10 +136,49 @@ def check_example_output(stdout: str, server: str, max_tokens: int = MAX_TOKENS)
     assert list(py.token_ids) == streamed["token_ids"] and py.text == streamed["text"]
 
 
+def check_reconnect(cmd: list[str], serve: ServeProc) -> None:
+    """Run an example's reconnect scenario (flags in --name form, which Go's flag package takes
+    too) through a TCP proxy that resets the connection after the third delta: the client
+    resumes by itself and gets exactly the undisturbed tokens, indices contiguous from 0."""
+    proxy = TcpProxy(serve.port)
+    args = ["--server", proxy.address, "--json", "--pause-after", "3", "--max-tokens", str(RECONNECT_TOKENS)]
+    proc = subprocess.Popen(
+        [*cmd, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(60), "the example did not pause"
+        assert json.loads(proc.stdout.readline()) == {"paused": True}
+        assert proxy.drop() == 1, "one connection to reset"
+        out, err = proc.communicate("\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proxy.close()
+    assert proc.returncode == 0, err
+    (line,) = out.splitlines()
+    obj = json.loads(line)
+    assert obj["scenario"] == "reconnect"
+    (r,) = obj["requests"]
+    assert r["resumes"] >= 1, f"the connection was reset but the client did not resume: {r}"
+    assert r["finish_reason"] == "FINISH_REASON_LENGTH" and not r.get("error"), r
+    assert r["completion_tokens"] == len(r["token_ids"]) == RECONNECT_TOKENS, r
+    assert_contiguous(r)
+    with Client(serve.address) as client:
+        py = client.complete(PROMPT, SamplingParams(max_tokens=RECONNECT_TOKENS, temperature=0, ignore_eos=True))
+    assert r["token_ids"] == list(py.token_ids) and r["text"] == py.text
+
+
 def test_example_against_a_live_server(example: Path, serve: ServeProc) -> None:
     res = run_example([str(example), "-server", serve.address, "-json", "-max-tokens", str(MAX_TOKENS)])
     assert res.returncode == 0, res.stderr
     check_example_output(res.stdout, serve.address)
+
+
+def test_stream_resumes_by_itself_after_a_reset_connection(example: Path, serve: ServeProc) -> None:
+    check_reconnect([str(example)], serve)
 
 
 def test_example_prints_text_without_json(example: Path, serve: ServeProc) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.procs import ROOT, ServeProc
-from tests.integration.test_go_client import MAX_TOKENS, check_example_output, run_example
+from tests.integration.test_go_client import MAX_TOKENS, check_example_output, check_reconnect, run_example
 
 JS_DIR = ROOT / "clients" / "js"
 NODE_MISSING = "node is not on PATH (Node.js >= 20); set DRAFTWISE_REQUIRE_NODE=1 to fail instead"
@@ -58,6 +58,10 @@ def test_example_against_a_live_server(example: list[str], serve: ServeProc) -> 
     res = run_example([*example, "--server", serve.address, "--json", "--max-tokens", str(MAX_TOKENS)])
     assert res.returncode == 0, res.stderr
     check_example_output(res.stdout, serve.address)
+
+
+def test_stream_resumes_by_itself_after_a_reset_connection(example: list[str], serve: ServeProc) -> None:
+    check_reconnect(example, serve)
 
 
 def test_example_prints_text_without_json(example: list[str], serve: ServeProc) -> None:

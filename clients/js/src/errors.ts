@@ -39,13 +39,17 @@ export class DraftwiseError extends Error {
   }
 }
 
-/** What Node's HTTP/2 stack says when the transport broke under a call (reported as INTERNAL or UNKNOWN). */
+/**
+ * What Node's HTTP/2 stack says when the transport broke under a call, which Connect reports as
+ * INTERNAL, UNKNOWN or ABORTED (a reset socket: "read ECONNRESET") rather than UNAVAILABLE. (The
+ * server's own ABORTED, "resumed on another connection", says none of these.)
+ */
 const TRANSPORT_DETAILS = ["econnreset", "econnrefused", "socket hang up", "stream closed", "goaway", "session closed", "premature close", "err_http2"];
 
 /** Whether err says the connection failed (rather than the server ending the request). */
 export function isTransportError(err: DraftwiseError): boolean {
   if (err.code === Code.Unavailable) return true;
-  if (err.code === Code.Internal || err.code === Code.Unknown) {
+  if (err.code === Code.Internal || err.code === Code.Unknown || err.code === Code.Aborted) {
     const d = err.detail.toLowerCase();
     return TRANSPORT_DETAILS.some((t) => d.includes(t));
   }

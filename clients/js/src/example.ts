@@ -6,7 +6,11 @@
 //   node dist/example.js --server 127.0.0.1:50051 [--prompt "def fibonacci(n):"] [--max-tokens 24] [--model NAME] [--json]
 //
 // With --json it prints one JSON object per scenario (machine-readable); otherwise the text.
+// With --pause-after N it runs one scenario instead, "reconnect": it streams a request, and after
+// N deltas prints {"paused": true} and waits for a line on stdin (time to break the connection,
+// say) before reading on; the client resumes the request by itself if the connection broke.
 
+import { createInterface } from "node:readline";
 import { parseArgs } from "node:util";
 import { FinishReason } from "./gen/draftwise/v1/generation_pb.js";
 import { Client, collect, text, type Completion, type Request } from "./index.js";
@@ -20,6 +24,7 @@ interface Result {
   prompt_tokens: number;
   completion_tokens: number;
   resume_handle: boolean;
+  resumes: number;
   error?: string;
 }
 
@@ -34,6 +39,7 @@ function toResult(c: Completion, handle: string, err?: unknown): Result {
     prompt_tokens: f?.usage?.promptTokens ?? 0,
     completion_tokens: f?.usage?.completionTokens ?? 0,
     resume_handle: handle !== "",
+    resumes: 0,
   };
   if (err !== undefined) r.error = err instanceof Error ? err.message : String(err);
   return r;
@@ -114,6 +120,43 @@ async function run(
   if (failed) throw new Error(failed.error);
 }
 
+/** Stream one request; after pauseAfter deltas print {"paused": true} and wait for a line on stdin. */
+async function reconnect(
+  client: Client,
+  model: string,
+  prompt: string,
+  maxTokens: number,
+  pauseAfter: number,
+  print: (name: string, results: Result[]) => void,
+): Promise<void> {
+  const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+  const s = client.stream({ model, prompt: text(prompt), params: params(maxTokens) });
+  const out = empty("");
+  let deltas = 0;
+  try {
+    for await (const ev of s) {
+      out.requestId = ev.requestId;
+      if (ev.kind.case === "delta") {
+        out.text += ev.kind.value.text;
+        out.tokenIds.push(...ev.kind.value.tokenIds);
+        out.deltas.push([ev.kind.value.firstTokenIndex, ev.kind.value.tokenIds.length]);
+        if (++deltas === pauseAfter) {
+          console.log(JSON.stringify({ paused: true }));
+          await lines.next();
+        }
+      } else if (ev.kind.case === "finished") {
+        out.finished = ev.kind.value;
+      }
+    }
+  } catch (err) {
+    print("reconnect", [{ ...toResult(out, s.resumeHandle, err), resumes: s.resumes }]);
+    throw err;
+  } finally {
+    await lines.return?.();
+  }
+  print("reconnect", [{ ...toResult(out, s.resumeHandle), resumes: s.resumes }]);
+}
+
 async function main(): Promise<number> {
   const { values } = parseArgs({
     options: {
@@ -122,6 +165,7 @@ async function main(): Promise<number> {
       prompt: { type: "string", default: "def fibonacci(n):" },
       "max-tokens": { type: "string", default: "24" },
       model: { type: "string", default: "" },
+      "pause-after": { type: "string", default: "0" },
       json: { type: "boolean", default: false },
     },
   });
@@ -141,7 +185,9 @@ async function main(): Promise<number> {
   };
   const client = new Client(values.server, { apiKey: values["api-key"] || undefined });
   try {
-    await run(client, values.model, values.prompt, maxTokens, print);
+    const pauseAfter = Number(values["pause-after"]);
+    if (pauseAfter > 0) await reconnect(client, values.model, values.prompt, maxTokens, pauseAfter, print);
+    else await run(client, values.model, values.prompt, maxTokens, print);
     return 0;
   } catch (err) {
     console.error(`draftwise-example: ${err instanceof Error ? err.message : String(err)}`);

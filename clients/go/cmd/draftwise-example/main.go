@@ -5,9 +5,13 @@
 //	draftwise-example -server 127.0.0.1:50051 [-prompt "def fibonacci(n):"] [-max-tokens 24] [-model NAME] [-json]
 //
 // With -json it prints one JSON object per scenario (machine-readable); otherwise the text.
+// With -pause-after N it runs one scenario instead, "reconnect": it streams a request, and after
+// N deltas prints {"paused": true} and waits for a line on stdin (time to break the connection,
+// say) before reading on; the client resumes the request by itself if the connection broke.
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -31,6 +35,7 @@ type result struct {
 	PromptTokens     uint32      `json:"prompt_tokens"`
 	CompletionTokens uint32      `json:"completion_tokens"`
 	ResumeHandle     bool        `json:"resume_handle"`
+	Resumes          int         `json:"resumes"`
 	Error            string      `json:"error,omitempty"`
 }
 
@@ -187,6 +192,48 @@ func run(ctx context.Context, c *draftwise.Client, model, prompt string, maxToke
 	return firstErr
 }
 
+// reconnect streams one request and pauses after pauseAfter deltas until a line arrives on in.
+func reconnect(ctx context.Context, c *draftwise.Client, model, prompt string, maxTokens uint32, pauseAfter int, in *bufio.Reader, p printer) error {
+	s, err := c.Stream(ctx, draftwise.Request{Model: model, Prompt: draftwise.Text(prompt), Params: params(maxTokens)})
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	out := &draftwise.Completion{}
+	deltas := 0
+	for {
+		ev, err := s.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			r := toResult(out, s.ResumeHandle(), err)
+			r.Resumes = s.Resumes()
+			p.scenario("reconnect", r)
+			return err
+		}
+		out.RequestID = ev.GetRequestId()
+		if d := ev.GetDelta(); d != nil {
+			out.Text += d.GetText()
+			out.TokenIDs = append(out.TokenIDs, d.GetTokenIds()...)
+			out.Deltas = append(out.Deltas, [2]uint32{d.GetFirstTokenIndex(), uint32(len(d.GetTokenIds()))})
+			if deltas++; deltas == pauseAfter {
+				fmt.Fprintln(p.out, `{"paused": true}`)
+				if _, err := in.ReadString('\n'); err != nil {
+					return fmt.Errorf("reading stdin: %w", err)
+				}
+			}
+		}
+		if f := ev.GetFinished(); f != nil {
+			out.Finished = f
+		}
+	}
+	r := toResult(out, s.ResumeHandle(), nil)
+	r.Resumes = s.Resumes()
+	p.scenario("reconnect", r)
+	return nil
+}
+
 func main() {
 	server := flag.String("server", "127.0.0.1:50051", "gateway address host:port")
 	apiKey := flag.String("api-key", os.Getenv("DRAFTWISE_API_KEY"), "API key (default $DRAFTWISE_API_KEY)")
@@ -194,6 +241,7 @@ func main() {
 	maxTokens := flag.Uint("max-tokens", 24, "tokens per request (greedy, EOS ignored)")
 	model := flag.String("model", "", "served model name (default: the server's default model)")
 	asJSON := flag.Bool("json", false, "print one JSON object per scenario")
+	pauseAfter := flag.Int("pause-after", 0, "run the reconnect scenario: pause after this many deltas until a line on stdin")
 	timeout := flag.Duration("timeout", 120*time.Second, "deadline of the whole run")
 	flag.Parse()
 	if *maxTokens < 2 {
@@ -213,7 +261,13 @@ func main() {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()
-	if err := run(ctx, c, *model, *prompt, uint32(*maxTokens), printer{json: *asJSON, out: os.Stdout}); err != nil {
+	p := printer{json: *asJSON, out: os.Stdout}
+	if *pauseAfter > 0 {
+		err = reconnect(ctx, c, *model, *prompt, uint32(*maxTokens), *pauseAfter, bufio.NewReader(os.Stdin), p)
+	} else {
+		err = run(ctx, c, *model, *prompt, uint32(*maxTokens), p)
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "draftwise-example:", err)
 		os.Exit(1)
 	}
