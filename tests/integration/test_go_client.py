@@ -52,18 +52,24 @@ def go_env(gopath: Path) -> dict[str, str]:
     env.update(
         GO111MODULE="off", GOPATH=f"{gopath}{os.pathsep}{DEBIAN_GOPATH}", GOFLAGS="", GOPROXY="off", CGO_ENABLED="0"
     )
-    env.setdefault("GOCACHE", str(gopath.parent / "gocache"))
+    if "GOCACHE" not in env and "HOME" not in env:  # (Go's default cache lives under $HOME)
+        env["GOCACHE"] = str(gopath.parent / "gocache")
     return env
 
 
 @pytest.fixture(scope="module")
-def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """clients/go copied into a GOPATH at its import path, vetted, the example built."""
+def gopath(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str], Path]:
+    """clients/go copied into a GOPATH at its import path: (go, its environment, a work folder)."""
     go = require("go", "DRAFTWISE_REQUIRE_GO", GO_MISSING)
     tmp = tmp_path_factory.mktemp("go")
-    gopath = tmp / "gopath"
-    shutil.copytree(GO_DIR, gopath / "src" / MODULE)
-    env = go_env(gopath)
+    shutil.copytree(GO_DIR, tmp / "gopath" / "src" / MODULE)
+    return go, go_env(tmp / "gopath"), tmp
+
+
+@pytest.fixture(scope="module")
+def example(gopath: tuple[str, dict[str, str], Path]) -> Path:
+    """The packages vetted, the example built."""
+    go, env, tmp = gopath
     packages = [f"{MODULE}/draftwisev1", f"{MODULE}/draftwise", f"{MODULE}/cmd/draftwise-example"]
     vet = subprocess.run([go, "vet", *packages], env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
     assert vet.returncode == 0, vet.stdout + vet.stderr
@@ -107,7 +113,7 @@ def assert_contiguous(r: dict) -> None:
 def check_example_output(stdout: str, server: str, max_tokens: int = MAX_TOKENS) -> None:
     """What both examples (Go, TypeScript) must have printed against a live server."""
     got = parse(stdout)
-    assert set(got) == {"stream", "resume", "multiplex"}, stdout
+    assert set(got) == {"stream", "resume", "multiplex", "request-error"}, stdout
     (streamed,) = got["stream"].values()
     (resumed,) = got["resume"].values()
     for r in (streamed, resumed):
@@ -129,6 +135,13 @@ def check_example_output(stdout: str, server: str, max_tokens: int = MAX_TOKENS)
     assert long["finish_reason"] == "FINISH_REASON_ABORT" and not long.get("error"), long
     assert long["prompt_tokens"] > 0 and 1 <= len(long["token_ids"]) <= long["completion_tokens"] < 400, long
     assert_contiguous(long)
+
+    # a request the server refuses ends alone, with the server's code and message; its neighbour finishes
+    bad, good = got["request-error"]["bad"], got["request-error"]["good"]
+    assert "InvalidArgument" in bad["error"] and "top_p" in bad["error"] and not bad["finish_reason"], bad
+    assert not bad["token_ids"], bad
+    assert good["finish_reason"] == "FINISH_REASON_LENGTH" and good["completion_tokens"] == 4 and not good.get("error")
+    assert_contiguous(good)
 
     # and what the Python client gets for the same request
     with Client(server) as client:
@@ -169,6 +182,17 @@ def check_reconnect(cmd: list[str], serve: ServeProc) -> None:
     with Client(serve.address) as client:
         py = client.complete(PROMPT, SamplingParams(max_tokens=RECONNECT_TOKENS, temperature=0, ignore_eos=True))
     assert r["token_ids"] == list(py.token_ids) and r["text"] == py.text
+
+
+def test_go_unit_tests(gopath: tuple[str, dict[str, str], Path]) -> None:
+    """The wrapper's own tests (progress: replays dropped, gaps refused; transport errors;
+    backoff; session ids; the per-request queue), with `go test`."""
+    go, env, tmp = gopath
+    res = subprocess.run(
+        [go, "test", "-v", f"{MODULE}/draftwise"], env=env, cwd=tmp, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("--- PASS") >= 6 and "--- FAIL" not in res.stdout, res.stdout
 
 
 def test_example_against_a_live_server(example: Path, serve: ServeProc) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 // draftwise-example: the TypeScript client against a running server. It streams one
-// completion, resumes a request whose call it dropped on purpose, and multiplexes three
-// requests on one Generate stream, cancelling one of them.
+// completion, resumes a request whose call it dropped on purpose, multiplexes three requests on
+// one Generate stream, cancelling one of them, and shows that a request the server refuses
+// (top_p 2) ends alone on its stream.
 //
 //   node dist/example.js --server 127.0.0.1:50051 [--prompt "def fibonacci(n):"] [--max-tokens 24] [--model NAME] [--json]
 //
@@ -118,6 +119,28 @@ async function run(
   print("multiplex", results);
   const failed = results.find((r) => r.error);
   if (failed) throw new Error(failed.error);
+
+  // 4. a per-request error ends that request only: the stream and its other request go on
+  const session2 = client.session();
+  const bad = session2.start({ id: "bad", model, prompt: text(prompt), params: { maxTokens: 4, topP: 2 } });
+  const good = session2.start({ id: "good", model, prompt: text(prompt), params: params(4) });
+  const settle = async (r: typeof bad): Promise<Result> => {
+    const out = empty(r.id);
+    try {
+      await collect(r, out);
+      out.requestId = r.id;
+      return toResult(out, r.resumeHandle);
+    } catch (err) {
+      out.requestId = r.id;
+      return toResult(out, r.resumeHandle, err);
+    }
+  };
+  const [badResult, goodResult] = await Promise.all([settle(bad), settle(good)]);
+  session2.closeSend();
+  await session2.done;
+  print("request-error", [badResult, goodResult]);
+  if (goodResult.error) throw new Error(goodResult.error);
+  if (!badResult.error) throw new Error("a request with top_p 2 was accepted");
 }
 
 /** Stream one request; after pauseAfter deltas print {"paused": true} and wait for a line on stdin. */

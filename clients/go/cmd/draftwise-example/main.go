@@ -1,6 +1,7 @@
 // Command draftwise-example shows the Go client against a running server: it streams one
-// completion, resumes a request whose call it dropped on purpose, and multiplexes three
-// requests on one Generate stream, cancelling one of them.
+// completion, resumes a request whose call it dropped on purpose, multiplexes three requests
+// on one Generate stream, cancelling one of them, and shows that a request the server refuses
+// (top_p 2) ends alone on its stream.
 //
 //	draftwise-example -server 127.0.0.1:50051 [-prompt "def fibonacci(n):"] [-max-tokens 24] [-model NAME] [-json]
 //
@@ -189,7 +190,43 @@ func run(ctx context.Context, c *draftwise.Client, model, prompt string, maxToke
 		firstErr = err
 	}
 	p.scenario("multiplex", results...)
-	return firstErr
+	if firstErr != nil {
+		return firstErr
+	}
+
+	// 4. a per-request error ends that request only: the stream and its other request go on
+	session2, err := c.Session(ctx)
+	if err != nil {
+		return err
+	}
+	defer session2.Close()
+	bad := &pb.SamplingParams{MaxTokens: draftwise.Uint32(4), TopP: draftwise.Float64(2)}
+	badStream, err := session2.Start(draftwise.Request{ID: "bad", Model: model, Prompt: draftwise.Text(prompt), Params: bad})
+	if err != nil {
+		return err
+	}
+	goodStream, err := session2.Start(draftwise.Request{ID: "good", Model: model, Prompt: draftwise.Text(prompt), Params: params(4)})
+	if err != nil {
+		return err
+	}
+	badDone, badErr := draftwise.Collect(badStream)
+	badDone.RequestID = "bad"
+	goodDone, goodErr := draftwise.Collect(goodStream)
+	goodDone.RequestID = "good"
+	if err := session2.CloseSend(); err != nil {
+		return err
+	}
+	if err := session2.Wait(); err != nil {
+		return err
+	}
+	p.scenario("request-error", toResult(badDone, "", badErr), toResult(goodDone, goodStream.ResumeHandle(), goodErr))
+	if goodErr != nil {
+		return goodErr
+	}
+	if badErr == nil {
+		return errors.New("a request with top_p 2 was accepted")
+	}
+	return nil
 }
 
 // reconnect streams one request and pauses after pauseAfter deltas until a line arrives on in.
