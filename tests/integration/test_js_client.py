@@ -107,3 +107,49 @@ def test_readme_snippet_runs(example: list[str], serve: ServeProc) -> None:
     assert res.returncode == 0, res.stderr
     # the streamed text, then its finish reason (1 STOP or 2 LENGTH) and completion tokens
     assert re.search(r"[12] \d+$", res.stdout.rstrip()), res.stdout
+
+
+UNIT_SCRIPT = """
+import { create } from "@bufbuild/protobuf";
+import { Code } from "@connectrpc/connect";
+import { GenerationEventSchema } from "./index.js";
+import { DraftwiseError, isTransportError } from "./index.js";
+import { Progress } from "./errors.js";
+import { AsyncQueue } from "./queue.js";
+
+const delta = (first, ids, handle = "") =>
+  create(GenerationEventSchema, { requestId: "r", kind: { case: "delta", value: { firstTokenIndex: first, tokenIds: ids, resumeHandle: handle } } });
+const finished = () => create(GenerationEventSchema, { requestId: "r", kind: { case: "finished", value: { finishReason: 2 } } });
+const out = {};
+const p = new Progress("r");
+out.kept = [p.accept(delta(0, [1, 2], "h")), p.accept(delta(2, [3])), p.accept(delta(2, [3])), p.accept(finished()), p.accept(finished())];
+out.handle = p.handle;
+out.next = p.nextIndex;
+try { new Progress("r").accept(delta(1, [7])); } catch (e) { out.gap = [e instanceof DraftwiseError, e.code === Code.DataLoss, e.message]; }
+out.transport = [
+  isTransportError(new DraftwiseError(Code.Unavailable, "connect ECONNREFUSED")),
+  isTransportError(new DraftwiseError(Code.Aborted, "read ECONNRESET")),
+  isTransportError(new DraftwiseError(Code.Aborted, "resumed on another connection")),
+  isTransportError(new DraftwiseError(Code.InvalidArgument, "top_p must be in (0, 1]")),
+];
+const q = new AsyncQueue();
+for (let i = 0; i < 1000; i++) q.push(i);
+q.close();
+let n = 0, inOrder = true;
+for await (const x of q) { inOrder &&= x === n; n++; }
+out.queue = [n, inOrder];
+console.log(JSON.stringify(out));
+"""
+
+
+def test_wrapper_units(example: list[str]) -> None:
+    """Progress (replays dropped, a gap is DATA_LOSS), transport errors, the queue, on the compiled package."""
+    script = JS_DIR / "dist" / "units_check.mjs"
+    script.write_text(UNIT_SCRIPT)
+    res = run_example([example[0], str(script)], timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["kept"] == [True, True, False, True, False] and (out["handle"], out["next"]) == ("h", 3)
+    assert out["gap"] == [True, True, "request r: DataLoss: delta at token 1 (+1) after 0 tokens received"]
+    assert out["transport"] == [True, True, False, False]
+    assert out["queue"] == [1000, True]
