@@ -285,3 +285,12 @@ def test_the_reflection_set_ships_in_the_package():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["draftwise.v1"]
     assert "*.binpb" in data
     assert (PROTO / "draftwise" / "v1" / "generate_service.binpb").is_file()
+
+
+def test_go_module_path_matches_go_package():
+    """go.mod names the module the generated code's import path lives in, with the versions of
+    Debian's packages the client is built and tested with (or newer)."""
+    lines = [line.strip() for line in (GO_DIR / "go.mod").read_text().splitlines()]
+    assert lines[0] == f"module {GO_PACKAGE.split(';')[0].rsplit('/', 1)[0]}"
+    assert "go 1.19" in lines
+    assert "google.golang.org/grpc v1.33.3" in lines and "google.golang.org/protobuf v1.28.1" in lines
