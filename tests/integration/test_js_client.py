@@ -113,7 +113,7 @@ UNIT_SCRIPT = """
 import { create } from "@bufbuild/protobuf";
 import { Code } from "@connectrpc/connect";
 import { GenerationEventSchema } from "./index.js";
-import { DraftwiseError, isTransportError } from "./index.js";
+import { Client, DraftwiseError, isTransportError } from "./index.js";
 import { Progress } from "./errors.js";
 import { AsyncQueue } from "./queue.js";
 
@@ -132,6 +132,13 @@ out.transport = [
   isTransportError(new DraftwiseError(Code.Aborted, "resumed on another connection")),
   isTransportError(new DraftwiseError(Code.InvalidArgument, "top_p must be in (0, 1]")),
 ];
+const client = new Client("127.0.0.1:1"); // nothing listens: the session's call fails, its checks come first
+const session = client.session();
+try { session.start({ id: "" , prompt: { kind: { case: "text", value: "x" } } }); } catch (e) { out.noId = e.message; }
+session.closeSend();
+try { session.start({ id: "late", prompt: { kind: { case: "text", value: "x" } } }); } catch (e) { out.late = e.message; }
+await session.done.catch((e) => { out.done = e.message; });
+client.close();
 const q = new AsyncQueue();
 for (let i = 0; i < 1000; i++) q.push(i);
 q.close();
@@ -153,3 +160,9 @@ def test_wrapper_units(example: list[str]) -> None:
     assert out["gap"] == [True, True, "request r: DataLoss: delta at token 1 (+1) after 0 tokens received"]
     assert out["transport"] == [True, True, False, False]
     assert out["queue"] == [1000, True]
+    assert out["noId"] == "InvalidArgument: a session request needs an id"
+    assert out["late"] in (
+        "request late: FailedPrecondition: closeSend() was called: no new requests",
+        "request late: FailedPrecondition: the session has ended: closed",
+    )
+    assert out["done"].startswith("Unavailable: "), out["done"]

@@ -23,6 +23,7 @@ export class Session {
   private readonly abort = new AbortController();
   private ended: unknown = undefined;
   private isEnded = false;
+  private sendClosed = false;
 
   constructor(client: Client, signal?: AbortSignal) {
     signal?.addEventListener("abort", () => this.abort.abort(signal.reason), { once: true });
@@ -62,6 +63,7 @@ export class Session {
   private register(id: string): SessionRequest {
     if (!id) throw new DraftwiseError(Code.InvalidArgument, "a session request needs an id");
     if (this.isEnded) throw new DraftwiseError(Code.FailedPrecondition, `the session has ended: ${String(this.ended ?? "closed")}`, id);
+    if (this.sendClosed) throw new DraftwiseError(Code.FailedPrecondition, "closeSend() was called: no new requests", id);
     if (this.requests.has(id)) {
       throw new DraftwiseError(Code.InvalidArgument, `request id "${id}" is already in flight on this session`, id);
     }
@@ -93,6 +95,7 @@ export class Session {
 
   /** Half-close: the in-flight requests finish, then the call ends OK (see done). */
   closeSend(): void {
+    this.sendClosed = true;
     this.outgoing.close();
   }
 
