@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from draftwise.gateway.admission import Admission
 from draftwise.gateway.auth import ApiKeyInterceptor
 from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
 from draftwise.gateway.decode import DecodeInterceptor
 from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.reflection import enable_reflection
 from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
 from draftwise.gateway.service import SERVICE_NAME, GenerateServicer, add_generate_service
@@ -79,10 +79,7 @@ class Gateway:
         cfg = self.config
         add_generate_service(GenerateServicer(self.core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection(self.server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         address = f"{cfg.host}:{cfg.port}"
         try:
             if cfg.tls_cert and cfg.tls_key:

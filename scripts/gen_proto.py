@@ -8,8 +8,14 @@ modules import each other as ``draftwise.v1.<name>_pb2``. The output depends on 
 grpcio-tools version (it is stamped into the files), so generation is pinned to
 ``GRPC_TOOLS_VERSION``; ``--any-version`` overrides that for experiments.
 
+It also writes ``generate_service.binpb``: the public contract (GenerateService and the files it
+imports) as a FileDescriptorSet *with* source code info, i.e. the proto comments, which the
+gateway serves through server reflection (the descriptors inside the *_pb2.py modules carry
+none).
+
 ``--protoc-plugin`` makes this script a protoc plugin, so that ``buf generate`` (see
-proto/buf.gen.yaml) drives the same generators and writes byte-identical files.
+proto/buf.gen.yaml) drives the same generators and writes byte-identical Python files (a
+protoc plugin can only return text, so the .binpb comes from this command alone).
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ PROTO_ROOT = ROOT / "proto"
 PACKAGE_DIR = PROTO_ROOT / "draftwise" / "v1"
 GRPC_TOOLS_VERSION = "1.85.1"
 """The grpcio-tools release the committed files were generated with."""
-GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
-"""Endings of the files protoc writes; nothing else in PACKAGE_DIR is touched."""
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", ".binpb")
+"""Endings of the files this script writes; nothing else in PACKAGE_DIR is touched."""
+REFLECTION_SET = "generate_service.binpb"
+"""FileDescriptorSet of generate_service.proto and its imports, with source info (comments)."""
+PUBLIC_PROTO = "draftwise/v1/generate_service.proto"
+"""The file of the public service, the root of REFLECTION_SET."""
 
 
 def proto_files(proto_root: Path = PROTO_ROOT) -> list[Path]:
@@ -76,6 +86,11 @@ def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> dict[str, bytes]:
     out_dir.mkdir(parents=True, exist_ok=True)
     _protoc([f"-I{proto_root}", *_out_args(out_dir), *(str(f) for f in files)])
     pkg = out_dir / "draftwise" / "v1"
+    reflection_set = pkg / REFLECTION_SET
+    _protoc(
+        [f"-I{proto_root}", "--include_source_info", "--include_imports", f"--descriptor_set_out={reflection_set}"]
+        + [PUBLIC_PROTO]
+    )
     return {p.name: p.read_bytes() for p in sorted(pkg.iterdir()) if is_generated(p)}
 
 
