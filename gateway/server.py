@@ -23,6 +23,7 @@ from draftwise.gateway.auth import ApiKeyInterceptor
 from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
 from draftwise.gateway.decode import DecodeInterceptor
 from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.openai import OpenAIServer, start_openai_server
 from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
 from draftwise.gateway.service import SERVICE_NAME, GenerateServicer, add_generate_service
@@ -74,6 +75,8 @@ class Gateway:
         self.port = 0
         self.metrics_port: int | None = None
         self._metrics_server = None
+        self.http: OpenAIServer | None = None
+        self.http_port: int | None = None
         self._serving = asyncio.Event()
         self._health_tasks: set[asyncio.Task[None]] = set()
 
@@ -99,6 +102,9 @@ class Gateway:
         await self._set_health(False)
         await self.router.start()
         await self.server.start()
+        if cfg.http_port is not None:
+            self.http = await start_openai_server(self.core, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+            self.http_port = self.http.port
         if cfg.metrics_port is not None:
             self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
             self.metrics_port = self._metrics_server.server_port
@@ -109,6 +115,7 @@ class Gateway:
             auth=bool(cfg.api_keys),
             workers=list(cfg.workers),
             metrics_port=self.metrics_port,
+            http_port=self.http_port,
             serving=self.router.serving,
         )
 
@@ -153,6 +160,8 @@ class Gateway:
             relay.cancel(grpc.StatusCode.UNAVAILABLE, "the server shut down before the request finished; retry it")
         # give the final events a moment to reach their clients, then end every call
         await self.server.stop(1.0 if core.relays or core.streams else 0.2)
+        if self.http is not None:
+            await self.http.stop()
         await self.router.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
