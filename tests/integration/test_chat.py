@@ -171,14 +171,21 @@ def test_chat_command_through_a_pipe_keeps_the_history(chat_gateway: Proc, chat_
 
 def test_chat_command_reports_a_refusal_and_exits_1(gateway: Proc, tmp_path: Path) -> None:
     res = subprocess.run(
-        chat_cmd(gateway.address), input="hi\n", capture_output=True, text=True, timeout=60, env=child_env(), cwd=tmp_path
+        chat_cmd(gateway.address),
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        cwd=tmp_path,
     )
     assert res.returncode == 1
     assert "error: INVALID_ARGUMENT: this model has no chat template" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc, tmp_path: Path) -> None:
+def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
+    want = reply(chat_llm, [{"role": "user", "content": "def f():"}]) + "\n"
     p = subprocess.Popen(
         chat_cmd(chat_gateway.address),
         stdin=subprocess.PIPE,
@@ -192,11 +199,11 @@ def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc,
     p.stdin.write("def f():\n")
     p.stdin.flush()
     assert p.stdout is not None
-    first = p.stdout.readline()  # the first reply is out: it now waits on stdin
+    first = p.stdout.read(len(want))  # the first reply is out: it now waits on stdin
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
-    assert first.strip()
+    assert first == want
     assert "Traceback" not in err
 
 
@@ -217,7 +224,9 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
     return buf
 
 
-def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
+def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d(
+    chat_gateway: Proc, chat_llm: LLM, tmp_path: Path
+) -> None:
     pid, fd = pty.fork()
     if pid == 0:  # the child: draftwise chat on a terminal
         os.chdir(tmp_path)
