@@ -48,3 +48,12 @@ def make_chat_model(folder: Path, template: str | None = None, end_of_turn: str 
     cfg["chat_template"] = (template or CHATML_TEMPLATE).replace("END", end_of_turn)
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return folder
+
+
+def chat_doc_blocks(path: Path) -> list[str]:
+    """The ```py blocks of a doc page: examples that need a model with a chat template or an
+    HTTP endpoint, which tests/integration/test_doc_snippets.py (```python blocks, against the
+    embedded default model's gRPC gateway) cannot give them; the chat and OpenAI tests run them."""
+    import re
+
+    return re.findall(r"^```py\n(.*?)^```", path.read_text(), re.S | re.M)

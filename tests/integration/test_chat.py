@@ -24,8 +24,17 @@ from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.worker import LLM
 from draftwise.worker import SamplingParams as EngineParams
-from tests.chat_model import make_chat_model
-from tests.integration.procs import CLIENT_DIR, ENGINE_ARGS, ENGINE_KWARGS, PARENT, Proc, child_env, secret_args
+from tests.chat_model import chat_doc_blocks, make_chat_model
+from tests.integration.procs import (
+    CLIENT_DIR,
+    ENGINE_ARGS,
+    ENGINE_KWARGS,
+    PARENT,
+    ROOT,
+    Proc,
+    child_env,
+    secret_args,
+)
 from tests.integration.procs import start_gateway as start_gateway_proc
 
 sys.path.insert(0, str(CLIENT_DIR))
@@ -247,3 +256,26 @@ def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d(
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+def _run_snippet(code: str, tmp_path: Path) -> str:
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=child_env(PYTHONPATH=str(CLIENT_DIR)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.stdout.strip()
+    return res.stdout
+
+
+def test_doc_chat_snippets_run(chat_gateway: Proc, chat_dir: Path, tmp_path: Path) -> None:
+    (llm_block,) = chat_doc_blocks(ROOT / "docs" / "serving.md")
+    assert "path/to/instruct-model" in llm_block
+    _run_snippet(llm_block.replace("path/to/instruct-model", str(chat_dir)), tmp_path)
+    (client_block,) = chat_doc_blocks(ROOT / "clients" / "python" / "README.md")
+    assert "127.0.0.1:50051" in client_block
+    _run_snippet(client_block.replace("127.0.0.1:50051", chat_gateway.address), tmp_path)

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from draftwise.hop import read_secret_file
-from tests.chat_model import make_chat_model
-from tests.integration.procs import CLIENT_DIR, ServeProc
+from tests.chat_model import chat_doc_blocks, make_chat_model
+from tests.integration.procs import CLIENT_DIR, ROOT, ServeProc, child_env
 from tests.integration.rpc import scrape_metrics, worker_loads
 
 sys.path.insert(0, str(CLIENT_DIR))
@@ -321,3 +321,14 @@ def test_sse_framing_with_curl(server: Server, tmp_path: Path) -> None:
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_doc_sdk_snippet_runs(server: Server, tmp_path: Path) -> None:
+    (block,) = chat_doc_blocks(ROOT / "docs" / "openai.md")
+    assert "http://127.0.0.1:8000/v1" in block and '"unused-without-keys"' in block
+    code = block.replace("http://127.0.0.1:8000/v1", server.base_url).replace('"unused-without-keys"', repr(KEY))
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert len(res.stdout.strip().splitlines()) >= 2
