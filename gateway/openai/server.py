@@ -186,9 +186,15 @@ class OpenAIServer:
         try:
             if core.draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it elsewhere")
+            models = core.router.models()
+            if not models:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no worker has reported its model yet ({core.router.describe()}); retry shortly",
+                )
             wanted = start.model or core.default_model()
-            if wanted is not None and wanted not in core.router.models() and core.router.models():
-                served = ", ".join(sorted(core.router.models()))
+            if wanted is not None and wanted not in models:
+                served = ", ".join(sorted(models))
                 raise RequestError(
                     grpc.StatusCode.NOT_FOUND,
                     f"the model {wanted[:64]!r} does not exist on this server; it serves: {served} (GET /v1/models)",

@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -22,7 +25,7 @@ import pytest
 
 from draftwise.hop import read_secret_file
 from tests.chat_model import chat_doc_blocks, make_chat_model
-from tests.integration.procs import CLIENT_DIR, ROOT, ServeProc, child_env
+from tests.integration.procs import CLIENT_DIR, PARENT, ROOT, Proc, ServeProc, child_env, secret_args, start_gateway
 from tests.integration.rpc import scrape_metrics, worker_loads
 
 sys.path.insert(0, str(CLIENT_DIR))
@@ -332,3 +335,64 @@ def test_doc_sdk_snippet_runs(server: Server, tmp_path: Path) -> None:
     )
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert len(res.stdout.strip().splitlines()) >= 2
+
+
+def _http_port(gateway: Proc) -> int:
+    for event in gateway.log_events():
+        if event.get("event") == "gateway listening":
+            return int(event["http_port"])
+    raise AssertionError("the gateway logged no 'gateway listening' line")
+
+
+def test_gateway_https_with_its_tls_certificate(workers: list[Proc], proc_dir: Path) -> None:
+    # python -m draftwise.gateway --http-port, with --tls-cert/--tls-key: HTTPS with that certificate
+    openssl = shutil.which("openssl")
+    assert openssl, "the HTTPS test needs the openssl command to make a self-signed certificate"
+    cert, key = proc_dir / "http-cert.pem", proc_dir / "http-key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    g = start_gateway(workers, proc_dir, "gateway-https", "--http-port=0", f"--tls-cert={cert}", f"--tls-key={key}")
+    try:
+        base = f"https://127.0.0.1:{_http_port(g)}/v1"
+        client = openai.OpenAI(
+            base_url=base,
+            api_key="none",
+            http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert))),
+            timeout=60,
+        )
+        r = client.completions.create(model="draftwise-target", prompt=PROMPT, max_tokens=8, temperature=0)
+        with Client(g.address, root_certificates=cert.read_bytes()) as c:
+            want = c.complete(PROMPT, SamplingParams(max_tokens=8, temperature=0)).text
+        assert r.choices[0].text == want
+        # the default model has no chat template: 400 naming that
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="draftwise-target", messages=MESSAGES, max_tokens=4)
+        assert "this model has no chat template" in err.value.body["message"]
+        with pytest.raises(openai.APIConnectionError):  # plain HTTP to the HTTPS port
+            openai.OpenAI(base_url=base.replace("https", "http"), api_key="none", max_retries=0).models.list()
+    finally:
+        g.stop()
+
+
+def test_no_worker_is_503(proc_dir: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    args = ["-m", "draftwise.gateway", "--port=0", "--http-port=0", "--log-format=json", *PARENT, *secret_args()]
+    g = Proc("gateway-no-worker", [*args, f"--worker=127.0.0.1:{dead}"], proc_dir).wait_ready(30)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{_http_port(g)}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="draftwise-target", prompt=PROMPT, max_tokens=4)
+        assert err.value.status_code == 503
+        assert err.value.body["type"] == "service_unavailable_error"
+        assert "no worker has reported its model yet" in err.value.body["message"]
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{_http_port(g)}/health", timeout=10)
+        assert health.value.code == 503 and json.loads(health.value.read()) == {"status": "unavailable"}
+    finally:
+        g.stop()
