@@ -99,12 +99,12 @@ class Gateway:
             self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {address}: the port is in use (or the address is not local)")
+        if cfg.http_port is not None:  # before anything runs: a taken port is an error, nothing to undo
+            self.http = await start_openai_server(self.core, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+            self.http_port = self.http.port
         await self._set_health(False)
         await self.router.start()
         await self.server.start()
-        if cfg.http_port is not None:
-            self.http = await start_openai_server(self.core, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
-            self.http_port = self.http.port
         if cfg.metrics_port is not None:
             self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
             self.metrics_port = self._metrics_server.server_port

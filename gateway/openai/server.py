@@ -79,7 +79,8 @@ class OpenAIServer:
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen on host:port (0: any free port); the port bound. OSError when it cannot."""
         # handler_cancellation: a client that disconnects cancels its handler (and so its request)
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: the gateway stops HTTP after its grace period, when no request is left
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=False)
         try:

@@ -158,7 +158,7 @@ def test_chat_command_through_a_pipe_keeps_the_history(chat_gateway: Proc, chat_
     turns = ["def fibonacci(n):", "class Stack:"]
     system = "You write Python."
     res = subprocess.run(
-        chat_cmd(chat_gateway.address, "--system", system),
+        chat_cmd(chat_gateway.address, "--system", system, "--wait", "30"),
         input="\n".join(turns) + "\n",
         capture_output=True,
         text=True,

@@ -396,3 +396,21 @@ def test_no_worker_is_503(proc_dir: Path) -> None:
         assert health.value.code == 503 and json.loads(health.value.read()) == {"status": "unavailable"}
     finally:
         g.stop()
+
+
+def test_taken_http_port_is_an_error(proc_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "draftwise.gateway", "--port=0", f"--http-port={port}", "--worker=127.0.0.1:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+            cwd=tmp_path,
+        )
+    assert res.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port} for HTTP" in res.stderr and "--http-port" in res.stderr
+    assert "Traceback" not in res.stderr
