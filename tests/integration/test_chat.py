@@ -65,11 +65,15 @@ def chat_gateway(chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def chat_llm(chat_dir: Path) -> LLM:
+def chat_llm(chat_dir: Path) -> Iterator[LLM]:
     import torch
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the worker: the same kernels, the same greedy tokens
-    return LLM(chat_dir, **ENGINE_KWARGS)
+    try:
+        yield LLM(chat_dir, **ENGINE_KWARGS)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reply(llm: LLM, messages: list[dict[str, str]], max_tokens: int = MAX_TOKENS) -> str:

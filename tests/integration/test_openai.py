@@ -173,7 +173,8 @@ def test_completions_streaming_and_not_equal_grpc(server: Server) -> None:
     assert r.usage.completion_tokens == 12
     got = r.choices[0].logprobs
     assert got.tokens == [f"token_id:{lp.token_id}" for lp in lps]
-    assert got.token_logprobs == pytest.approx([lp.logprob for lp in lps], abs=1e-6)
+    # (float32 sums may differ in the last bits between a decode step and a speculative verify step)
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
     assert all(len(t) == 2 for t in got.top_logprobs)
     streamed = list(
         client.completions.create(model="chat-model", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
