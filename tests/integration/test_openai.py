@@ -250,6 +250,10 @@ def test_malformed_body_and_unknown_paths(server: Server) -> None:
     assert status == 400 and "send one prompt per request" in body["error"]["message"]
     status, _, body = _raw(server, "/embeddings", b"{}")
     assert status == 404 and "no such endpoint: POST /v1/embeddings" in body["error"]["message"]
+    status, _, body = _raw(server, "/completions", None)
+    assert status == 405 and "GET is not allowed on /v1/completions" in body["error"]["message"]
+    status, _, body = _raw(server, "/completions", b" " * (5 << 20))
+    assert status == 413 and "(--max-request-bytes)" in body["error"]["message"]
 
 
 def test_wrong_or_missing_key_is_401(server: Server) -> None:
@@ -415,3 +419,22 @@ def test_taken_http_port_is_an_error(proc_dir: Path, tmp_path: Path) -> None:
     assert res.returncode == 1
     assert f"error: cannot listen on 127.0.0.1:{port} for HTTP" in res.stderr and "--http-port" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_an_error_mid_stream_is_an_error_event(workers: list[Proc], proc_dir: Path) -> None:
+    # the gateway shuts down (no grace) while a stream runs: its request ends UNAVAILABLE, sent as an SSE event
+    g = start_gateway(workers, proc_dir, "gateway-http-stop", "--http-port=0", "--shutdown-grace=0")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{_http_port(g)}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model="draftwise-target", prompt=PROMPT, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(stream)
+        assert next(chunks).choices[0].text is not None
+        g.popen.terminate()
+        with pytest.raises(openai.APIError, match="the server shut down before the request finished"):
+            for _ in chunks:
+                pass
+        assert g.popen.wait(30) == 0
+    finally:
+        g.stop()
