@@ -5,6 +5,7 @@ stop token, and a ValueError a person can act on for every conversation that can
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,29 @@ def test_end_of_turn_token_is_found_and_added_to_stop_token_ids(tmp_path: Path) 
     assert params.stop_token_ids == (7, 0)
     # the EOS closes ChatML turns in the default fixture: nothing to add
     assert llm.engine.eos_token_ids == (2,)
+
+
+def test_reply_stops_at_the_end_of_turn_token(tmp_path: Path) -> None:
+    # a template that closes turns with "def", made a special token (its own vocabulary id): the model
+    # writes "def" early in its reply, so the chat reply is the free-running one cut right after it
+    folder = make_chat_model(tmp_path / "def", end_of_turn="'def'")
+    tj_path = folder / "tokenizer.json"
+    tj = json.loads(tj_path.read_text())
+    eot = tj["model"]["vocab"]["def"]
+    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    tj["added_tokens"].append({"id": eot, "content": "def", **special})
+    tj_path.write_text(json.dumps(tj))
+    llm = LLM(folder, **ENGINE)
+    chat = llm.engine.encode_chat(ChatPrompt.from_messages(CONV))
+    assert chat.stop_token_ids == (eot,) and eot not in llm.engine.eos_token_ids
+    params = SamplingParams(temperature=0, max_tokens=24)
+    (free,) = llm.generate([chat.token_ids], params, use_tqdm=False)
+    ids = free.outputs[0].token_ids
+    assert eot in ids, "the model did not write the token: pick another end-of-turn token for this test"
+    (out,) = llm.chat(CONV, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == ids[: ids.index(eot) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == eot
+    assert len(out.outputs[0].token_ids) < len(ids)
 
 
 def test_chatml_end_of_turn_is_the_eos(llm: LLM) -> None:
