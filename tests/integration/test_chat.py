@@ -237,8 +237,9 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
     return buf
 
 
-def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d(
-    chat_gateway: Proc, chat_llm: LLM, tmp_path: Path
+@pytest.mark.parametrize("key", [b"\x04", b"\x03"], ids=["ctrl-d", "ctrl-c"])
+def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d_or_ctrl_c(
+    key: bytes, chat_gateway: Proc, chat_llm: LLM, tmp_path: Path
 ) -> None:
     pid, fd = pty.fork()
     if pid == 0:  # the child: draftwise chat on a terminal
@@ -250,7 +251,7 @@ def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d(
         out = _read_until(fd, b">>> ")  # the reply, then the next prompt
         want = reply(chat_llm, [{"role": "user", "content": "def fibonacci(n):"}])
         assert want.replace("\n", "\r\n").encode() in out
-        os.write(fd, b"\x04")  # Ctrl-D
+        os.write(fd, key)  # Ctrl-D (end of input) or Ctrl-C (SIGINT from the terminal)
         rest = _read_until(fd, b"\n", timeout=30)
         assert b"Traceback" not in rest
         _, status = os.waitpid(pid, 0)
