@@ -4,6 +4,7 @@ draftwise serve [--workers 2] [--port 50051] [--model FOLDER]   # gateway + work
 draftwise serve --speculative-model default                     # ... with speculative decoding
 draftwise generate "def fibonacci(n):"                           # greedy, in-process, embedded default model
 draftwise generate "def fibonacci(n):" --server 127.0.0.1:50051  # streamed from a running server
+draftwise chat --server 127.0.0.1:50051                          # a conversation (a model with a chat template)
 """
 
 from __future__ import annotations
@@ -361,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tls", action="store_true", help="with --server: connect over TLS (system roots)")
     g.add_argument("--tls-ca", default=None, help="with --server: connect over TLS trusting this PEM root certificate")
 
+    from draftwise.chat_cli import add_chat_args
+
+    c = sub.add_parser("chat", help="a conversation with a served model (its chat template), streamed from --server")
+    add_chat_args(c, server_address, DEFAULT_SERVER_PORT, API_KEY_ENV)
+
     s = sub.add_parser("serve", help="start a gateway and worker processes on this machine")
     s.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     for flag, type_, help_ in ENGINE_FLAGS:
@@ -402,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.server:
             return _generate_remote(args)
         return _generate(args)
+    if args.command == "chat":
+        from draftwise.chat_cli import run_chat
+        from draftwise.logs import configure_logging
+
+        configure_logging("auto", "warning")  # stdout carries the replies alone
+        return run_chat(args, API_KEY_ENV)
     if args.command == "serve":
         if args.workers < 1:
             parser.error("--workers must be >= 1")

@@ -51,6 +51,8 @@ class GatewayConfig:
     """Port of the Prometheus ``/metrics`` HTTP endpoint; None: off; 0: any free port."""
     metrics_host: str = "127.0.0.1"
     """Address of the metrics endpoint."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP endpoint on ``host`` (docs/openai.md); None: off; 0: any free port."""
     default_model: str | None = None
     """Model used when a request names none; None: the model of the first worker that answers."""
     shutdown_grace_s: float = 30.0

@@ -142,6 +142,9 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
                 file=stream,
                 flush=True,
             )
+            if gateway.http_port is not None:
+                scheme = "https" if g.tls_cert else "http"
+                print(f"OpenAI-compatible HTTP on {scheme}://{g.host}:{gateway.http_port}/v1", file=stream, flush=True)
             code = await sup.run(stop)
             stopping = asyncio.create_task(gateway.stop())
             fast = asyncio.create_task(now.wait())

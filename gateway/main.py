@@ -79,6 +79,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--metrics-port", type=port_number, default=None, help="Prometheus /metrics port (default: off; 0: any)"
     )
     p.add_argument(
+        "--http-port",
+        type=port_number,
+        default=None,
+        help="OpenAI-compatible HTTP port on --host: /v1/models, /v1/completions, /v1/chat/completions "
+        "(default: off; 0: any)",
+    )
+    p.add_argument(
         "--metrics-host", default=d.metrics_host, help=f"address of the metrics endpoint (default {d.metrics_host})"
     )
     p.add_argument(
@@ -142,6 +149,7 @@ def config_from_args(args: argparse.Namespace, workers: tuple[str, ...]) -> Gate
         tls_key=args.tls_key,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        http_port=args.http_port,
         shutdown_grace_s=args.shutdown_grace,
         max_failovers=args.max_failovers,
         failover_stall_s=args.failover_stall_s,

@@ -22,6 +22,7 @@ from draftwise.gateway.auth import ApiKeyInterceptor
 from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
 from draftwise.gateway.decode import DecodeInterceptor
 from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.openai import OpenAIServer, start_openai_server
 from draftwise.gateway.reflection import enable_reflection
 from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
@@ -72,6 +73,8 @@ class Gateway:
         self.port = 0
         self.metrics_port: int | None = None
         self._metrics_server = None
+        self.http: OpenAIServer | None = None
+        self.http_port: int | None = None
         self._serving = asyncio.Event()
         self._health_tasks: set[asyncio.Task[None]] = set()
 
@@ -91,6 +94,9 @@ class Gateway:
             self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {address}: the port is in use (or the address is not local)")
+        if cfg.http_port is not None:  # before anything runs: a taken port is an error, nothing to undo
+            self.http = await start_openai_server(self.core, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+            self.http_port = self.http.port
         await self._set_health(False)
         await self.router.start()
         await self.server.start()
@@ -104,6 +110,7 @@ class Gateway:
             auth=bool(cfg.api_keys),
             workers=list(cfg.workers),
             metrics_port=self.metrics_port,
+            http_port=self.http_port,
             serving=self.router.serving,
         )
 
@@ -148,6 +155,8 @@ class Gateway:
             relay.cancel(grpc.StatusCode.UNAVAILABLE, "the server shut down before the request finished; retry it")
         # give the final events a moment to reach their clients, then end every call
         await self.server.stop(1.0 if core.relays or core.streams else 0.2)
+        if self.http is not None:
+            await self.http.stop()
         await self.router.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()

@@ -58,9 +58,13 @@ def validate_start(core: Core, start: pb.StartGeneration) -> str:
         )
     kind = start.prompt.WhichOneof("kind")
     if kind is None:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: set prompt.text or prompt.token_ids")
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty: set prompt.text, prompt.token_ids or prompt.chat"
+        )
     if kind == "text" and not start.prompt.text:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text is empty")
+    if kind == "chat":
+        validate_chat(start.prompt.chat)
     if kind == "token_ids":
         n = len(start.prompt.token_ids.ids)
         if n == 0:
@@ -73,3 +77,25 @@ def validate_start(core: Core, start: pb.StartGeneration) -> str:
                 "to leave room for output",
             )
     return model
+
+
+MAX_ROLE_CHARS = 64
+"""Longest chat role name accepted (the worker checks the role against the model's template)."""
+
+
+def validate_chat(chat: pb.ChatMessages) -> None:
+    """RequestError(INVALID_ARGUMENT) for a chat with no messages or an empty or overlong role;
+    whether the model has a template and knows each role is the worker's to say."""
+    if not chat.messages:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat has no messages: send at least one")
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt.chat.messages[{i}].role is empty: use system, user, assistant or tool",
+            )
+        if len(m.role) > MAX_ROLE_CHARS:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt.chat.messages[{i}].role is {len(m.role)} characters ({clip(m.role)!r}); at most {MAX_ROLE_CHARS}",
+            )

@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from draftwise.worker.chat import ChatPrompt
 from draftwise.worker.engine import EngineDeadError, LLMEngine
 from draftwise.worker.outputs import RequestDelta, SpecStats, StepOutput
 from draftwise.worker.sampling_params import SamplingParams
@@ -143,17 +144,23 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         sampling_params: SamplingParams | None = None,
         continuation: Sequence[int] = (),
         continuation_spec: SpecStats | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the deltas of one request. ValueError for a bad request, before any delta;
-        RequestFailedError if the engine fails it; EngineDeadError if the engine stops."""
+        RequestFailedError if the engine fails it; EngineDeadError if the engine stops.
+        A ChatPrompt is rendered with the model's chat template (off the engine thread too)
+        and stops at the template's end-of-turn token."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead or 'not started'}")
         ids: list[int] | None = None
-        if isinstance(prompt, str):  # off the engine thread: a long prompt stalls nobody
+        if isinstance(prompt, ChatPrompt):
+            chat = await asyncio.to_thread(self.engine.encode_chat, prompt)
+            prompt, ids = chat.text, chat.token_ids
+            sampling_params = chat.sampling_params(sampling_params, self.engine.eos_token_ids)
+        elif isinstance(prompt, str):  # off the engine thread: a long prompt stalls nobody
             ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 

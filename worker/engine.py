@@ -22,6 +22,7 @@ import torch
 
 from draftwise.logs import ensure_logging
 from draftwise.worker.block_manager import BlockManager
+from draftwise.worker.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.config import EngineConfig
 from draftwise.worker.continuation import check_continuation
 from draftwise.worker.graph_runner import GraphConfig
@@ -99,6 +100,7 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
         self.eos_token_ids = _eos_ids(folder, mcfg.eos_token_ids, self.tokenizer)
+        self.chat_template = ChatTemplate(self.tokenizer) if self.tokenizer is not None else None
         self.max_prompt_bytes: int | None = None  # text prompts longer than this cannot fit: refused untokenized
         if self.tokenizer is not None:
             # x2: normalizers may shrink text (NFKC), so a token can stand for more input than it decodes to
@@ -343,6 +345,13 @@ class LLMEngine:
                 f"(at most {self.max_prompt_bytes} bytes of text)"
             )
         return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, prompt: ChatPrompt) -> RenderedChat:
+        """Render chat messages with the model's chat template and tokenize them; ValueError
+        for no template, a bad conversation or one too long. Off-thread safe, as encode_prompt."""
+        if self.chat_template is None:
+            raise ValueError("chat messages need a tokenizer (the engine runs with skip_tokenizer_init)")
+        return self.chat_template.encode(prompt, self.max_model_len, self.max_prompt_bytes)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
+from draftwise.worker.chat import ChatPrompt
 from draftwise.worker.outputs import RequestDelta, SpecStats
 from draftwise.worker.sampler import TokenLogprobs
 from draftwise.worker.sampling_params import SamplingParams
@@ -39,13 +40,16 @@ def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptio
     return SamplingParams(**kw)
 
 
-def prompt_from_proto(msg: pb.Prompt) -> str | list[int]:
+def prompt_from_proto(msg: pb.Prompt) -> str | list[int] | ChatPrompt:
+    """Text, token ids, or chat messages (rendered later, off the event loop, by the engine)."""
     kind = msg.WhichOneof("kind")
     if kind == "text":
         return msg.text
     if kind == "token_ids":
         return list(msg.token_ids.ids)
-    raise ValueError("prompt is empty: set prompt.text or prompt.token_ids")
+    if kind == "chat":
+        return ChatPrompt(tuple((m.role, m.content) for m in msg.chat.messages))
+    raise ValueError("prompt is empty: set prompt.text, prompt.token_ids or prompt.chat")
 
 
 def continuation_from_proto(msg: pb.StartGeneration) -> tuple[list[int], SpecStats | None]:

@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 
 import grpc
@@ -33,6 +33,7 @@ from draftwise_client._types import (
     GenerationError,
     ModelInfo,
     SamplingParams,
+    chat_prompt,
     delta_from_event,
     start_message,
 )
@@ -103,7 +104,7 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | pb.Prompt,
         params: SamplingParams | None = None,
         *,
         model: str = "",
@@ -155,6 +156,22 @@ class AsyncClient:
                 progress.resumes += 1
                 progress.cause = error
                 log.info("resuming %s at token %d after %s", progress.handle, progress.next_index, error)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream the reply to a conversation: ``messages`` are ``{"role": ..., "content": ...}``
+        dicts, oldest first, which the server renders with the model's chat template (the reply
+        ends at the template's end-of-turn token). As ``generate`` otherwise; a model without a
+        chat template, no messages or a role the template does not know raise GenerationError
+        (INVALID_ARGUMENT), a malformed list ValueError."""
+        return self.generate(chat_prompt(messages), params, model=model, request_id=request_id, timeout=timeout)
 
     async def complete(
         self,

@@ -8,13 +8,14 @@ with Client("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
 from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
+from draftwise_client._proto import generation_pb2 as pb
 from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay, resume_outcome
 from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
 from draftwise_client._types import (
@@ -24,6 +25,7 @@ from draftwise_client._types import (
     GenerationError,
     ModelInfo,
     SamplingParams,
+    chat_prompt,
     delta_from_event,
     start_message,
 )
@@ -91,7 +93,7 @@ class Client:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | pb.Prompt,
         params: SamplingParams | None = None,
         *,
         model: str = "",
@@ -142,6 +144,22 @@ class Client:
                 progress.resumes += 1
                 progress.cause = error
                 log.info("resuming %s at token %d after %s", progress.handle, progress.next_index, error)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[Delta]:
+        """Stream the reply to a conversation: ``messages`` are ``{"role": ..., "content": ...}``
+        dicts, oldest first, which the server renders with the model's chat template (the reply
+        ends at the template's end-of-turn token). As ``generate`` otherwise; a model without a
+        chat template, no messages or a role the template does not know raise GenerationError
+        (INVALID_ARGUMENT), a malformed list ValueError."""
+        return self.generate(chat_prompt(messages), params, model=model, request_id=request_id, timeout=timeout)
 
     def complete(
         self,

@@ -3,7 +3,7 @@ frozen dataclasses (no protobuf in the public API)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -187,10 +187,31 @@ class GenerationError(Exception):
         return cls(code, err.message, request_id, retry)
 
 
+def chat_prompt(messages: Sequence[Mapping[str, str]]) -> pb.Prompt:
+    """Chat messages (``{"role": ..., "content": ...}`` dicts, oldest first) as a prompt the
+    server renders with the model's chat template; ValueError for a malformed list."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content", "")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: 'role' and 'content' must be strings")
+        out.append(pb.ChatMessage(role=role, content=content))
+    return pb.Prompt(chat=pb.ChatMessages(messages=out))
+
+
 def start_message(
-    prompt: str | Sequence[int], params: SamplingParams | None, model: str, request_id: str
+    prompt: str | Sequence[int] | pb.Prompt, params: SamplingParams | None, model: str, request_id: str
 ) -> pb.StartGeneration:
-    p = pb.Prompt(text=prompt) if isinstance(prompt, str) else pb.Prompt(token_ids=pb.TokenIds(ids=list(prompt)))
+    if isinstance(prompt, pb.Prompt):
+        p = prompt
+    elif isinstance(prompt, str):
+        p = pb.Prompt(text=prompt)
+    else:
+        p = pb.Prompt(token_ids=pb.TokenIds(ids=list(prompt)))
     msg = pb.StartGeneration(request_id=request_id, model=model, prompt=p)
     if params is not None:
         msg.sampling_params.CopyFrom(params.to_proto())

@@ -1,0 +1,164 @@
+"""``draftwise chat --server HOST:PORT``: a conversation with a served model in the terminal.
+
+Each line you type is a user message; the reply streams back as the model writes it, and
+the conversation so far (``--system`` first) goes with every turn, rendered by the server
+with the model's chat template. Ctrl-D or Ctrl-C ends it (exit 0). When standard input is
+not a terminal, every line read is one user turn and the replies are printed one after
+the other (no prompt), so a script can pipe a conversation through it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+PROMPT = ">>> "
+"""What an interactive session shows before each user turn."""
+
+
+def add_chat_args(c: argparse.ArgumentParser, server_type: Any, default_port: int, api_key_env: str) -> None:
+    c.add_argument(
+        "--server",
+        type=server_type,
+        required=True,
+        help=f"HOST[:PORT] of a running `draftwise serve` (gateway; port default {default_port})",
+    )
+    c.add_argument("--model", default="", help="model name (default: the server's default model)")
+    c.add_argument("--system", default=None, help="a system message that opens the conversation")
+    c.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default 256)")
+    c.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    c.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1)")
+    c.add_argument("--seed", type=int, default=None, help="seed of the replies' random numbers (default: random)")
+    c.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the server to serve")
+    c.add_argument("--timeout", type=float, default=None, help="deadline of each reply in seconds")
+    c.add_argument("--api-key", default=None, help=f"API key (default: ${api_key_env})")
+    c.add_argument("--tls", action="store_true", help="connect over TLS (system roots)")
+    c.add_argument("--tls-ca", default=None, help="connect over TLS trusting this PEM root certificate")
+
+
+class Chat:
+    """One conversation over one channel."""
+
+    def __init__(self, args: argparse.Namespace, channel: Any, metadata: list[tuple[str, str]]) -> None:
+        from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+        from draftwise.v1 import generation_pb2 as pb
+
+        self.args = args
+        self.pb = pb
+        self.stub = gsgrpc.GenerateServiceStub(channel)
+        self.metadata = metadata
+        self.history: list[tuple[str, str]] = []
+        if args.system:
+            self.history.append(("system", args.system))
+        self.params = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        if args.top_p is not None:
+            self.params.top_p = args.top_p
+        if args.seed is not None:
+            self.params.seed = args.seed
+
+    def turn(self, text: str, out: TextIO) -> str:
+        """Send ``text`` as the next user message and stream the reply to ``out``; the reply
+        (kept in the history). grpc.RpcError when the server refuses or fails it (the user
+        message is then not kept)."""
+        from draftwise.v1 import generate_service_pb2 as gspb
+
+        pb = self.pb
+        messages = [*self.history, ("user", text)]
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+        start = pb.StartGeneration(model=self.args.model, prompt=pb.Prompt(chat=chat), sampling_params=self.params)
+        call = self.stub.GenerateStream(
+            gspb.GenerateStreamRequest(start=start), metadata=self.metadata, timeout=self.args.timeout
+        )
+        reply: list[str] = []
+        try:
+            for resp in call:
+                if resp.event.WhichOneof("kind") == "delta":
+                    reply.append(resp.event.delta.text)
+                    out.write(resp.event.delta.text)
+                    out.flush()
+        finally:
+            call.cancel()  # Ctrl-C mid-reply: the server stops generating
+        answer = "".join(reply)
+        self.history = [*messages, ("assistant", answer)]
+        return answer
+
+
+def _channel(args: argparse.Namespace) -> Any:
+    import grpc
+
+    if args.tls_ca or args.tls:
+        roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        return grpc.secure_channel(args.server, grpc.ssl_channel_credentials(root_certificates=roots))
+    return grpc.insecure_channel(args.server)
+
+
+def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
+    import grpc
+
+    from draftwise.cli import _tls_hint
+
+    while True:
+        if interactive:
+            try:
+                text = input(PROMPT)  # line editing (readline)
+            except EOFError:  # Ctrl-D
+                out.write("\n")
+                return 0
+        else:
+            line = stdin.readline()
+            if not line:  # end of input
+                return 0
+            text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        try:
+            chat.turn(text, out)
+        except grpc.RpcError as e:
+            out.write("\n")
+            out.flush()
+            hint = _tls_hint(e.details() or "", bool(chat.args.tls or chat.args.tls_ca))
+            print(f"error: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
+            if not interactive:
+                return 1
+            continue
+        out.write("\n")
+        out.flush()
+
+
+def run_chat(args: argparse.Namespace, api_key_env: str) -> int:
+    """The ``chat`` command: 0 when the conversation ends (Ctrl-D, Ctrl-C, end of input)."""
+    from draftwise.cli import _tls_hint, _wait_serving
+
+    if args.max_tokens < 1:
+        print("error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        channel = _channel(args)
+    except OSError as e:
+        print(f"error: --tls-ca {args.tls_ca}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    key = args.api_key or os.environ.get(api_key_env)
+    metadata = [("authorization", f"Bearer {key}")] if key else []
+    interactive = sys.stdin.isatty()
+    try:
+        with channel:
+            if args.wait:
+                problem = _wait_serving(channel, args.wait, metadata)
+                if problem is not None:
+                    hint = _tls_hint(problem, bool(args.tls or args.tls_ca))
+                    print(
+                        f"error: {args.server} is not serving after {args.wait:g} s ({problem}){hint}", file=sys.stderr
+                    )
+                    return 1
+            if interactive:
+                import readline  # noqa: F401  (line editing and history for input lines)
+
+                print(f"chatting with {args.server} (Ctrl-D or Ctrl-C to quit)", file=sys.stderr)
+            return _loop(Chat(args, channel, metadata), interactive, sys.stdin, sys.stdout)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return 0  # the reply in progress, if any, was cancelled on the way out

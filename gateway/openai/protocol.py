@@ -1,0 +1,319 @@
+"""OpenAI's JSON shapes: request bodies of ``/v1/completions`` and ``/v1/chat/completions``
+turned into a ``StartGeneration``, and the gateway's events turned into OpenAI responses,
+stream chunks and errors. Plain functions over dicts and protobuf messages: no I/O here."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from draftwise.v1 import generation_pb2 as pb
+
+MAX_STOP = 16
+"""Most stop strings one request may carry."""
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""Seeds the contract carries (int64)."""
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+REFUSED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+}
+"""Fields refused when set to anything but null/empty, with the reason (silently ignoring them
+would change what the client asked for)."""
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP ``status``, ``message``, ``param`` (the offending field)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+    }
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request body, checked: what to start, and how to answer."""
+
+    start: pb.StartGeneration
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # chat: logprobs requested; completions: logprobs is not None
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"{name} must be an integer, got {v!r:.40}", name)
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{name} must be {bound}, got {v}", name)
+    return v
+
+
+def _float(body: dict[str, Any], name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ApiError(400, f"{name} must be a number, got {v!r:.40}", name)
+    return float(v)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be true or false, got {v!r:.40}", name)
+    return v
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, why in REFUSED_FIELDS.items():
+        if body.get(name) not in (None, [], {}, ""):
+            raise ApiError(400, f"{name}: {why} by this server", name)
+    n = _int(body, "n", 1)
+    if n is not None and n != 1:
+        raise ApiError(400, f"n must be 1 (got {n}): this server returns one choice per request; send several", "n")
+    best_of = _int(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise ApiError(400, f"best_of must be 1 (got {best_of})", "best_of")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ApiError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+
+
+def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> pb.SamplingParams:
+    sp = pb.SamplingParams()
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        v = _float(body, name)
+        if v is not None:
+            setattr(sp, name, v)
+    for name in max_tokens_names:
+        v = _int(body, name, 1, 2**32 - 1)
+        if v is not None:
+            sp.max_tokens = v
+    for name, lo in (("top_k", -1), ("min_tokens", 0)):
+        v = _int(body, name, lo, 2**31 - 1)
+        if v is not None:
+            setattr(sp, name, v)
+    seed = _int(body, "seed", *SEED_RANGE)
+    if seed is not None:
+        sp.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "stop must be a string or a list of strings", "stop")
+        if len(stop) > MAX_STOP:
+            raise ApiError(400, f"stop has {len(stop)} strings; at most {MAX_STOP}", "stop")
+        if any(not s for s in stop):
+            raise ApiError(400, "stop strings must not be empty", "stop")
+        sp.stop.extend(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ApiError(400, "stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        sp.stop_token_ids.extend(ids)
+    sp.ignore_eos = _bool(body, "ignore_eos")
+    if body.get("skip_special_tokens") is not None:
+        sp.skip_special_tokens = _bool(body, "skip_special_tokens")
+    return sp
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    return _bool(opts, "include_usage")
+
+
+def _common(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _refuse_unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "model")
+    return body
+
+
+def parse_completion(raw: object) -> ParsedRequest:
+    """A ``/v1/completions`` body; ApiError(400) naming the field that is wrong."""
+    body = _common(raw)
+    if _bool(body, "echo"):
+        raise ApiError(400, "echo is not supported", "echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "prompt is empty", "prompt")
+        p = pb.Prompt(text=prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 or t >= 2**32 for t in prompt):
+            raise ApiError(400, "prompt token ids must be non-negative integers", "prompt")
+        p = pb.Prompt(token_ids=pb.TokenIds(ids=prompt))
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, f"prompt holds {len(prompt)} prompts: send one prompt per request", "prompt")
+    else:
+        raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+    sp = _sampling(body, ("max_tokens",))
+    if not sp.HasField("max_tokens"):
+        sp.max_tokens = 16  # OpenAI's default for completions
+    lp = _int(body, "logprobs", 0, 20)
+    if lp is not None:
+        sp.logprobs = lp
+    stream = _bool(body, "stream")
+    start = pb.StartGeneration(model=body.get("model") or "", prompt=p, sampling_params=sp)
+    return ParsedRequest(start, stream, _stream_options(body, stream), lp is not None)
+
+
+def parse_chat(raw: object) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body; ApiError(400) naming the field that is wrong."""
+    body = _common(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    chat = pb.ChatMessages()
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object with role and content", where)
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"{where}.role must be a non-empty string", f"{where}.role")
+        chat.messages.add(role=role, content=_content(m.get("content"), f"{where}.content"))
+    sp = _sampling(body, ("max_tokens", "max_completion_tokens"))
+    want_lp = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, 20)
+    if top is not None and not want_lp:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if want_lp:
+        sp.logprobs = top or 0
+    stream = _bool(body, "stream")
+    start = pb.StartGeneration(model=body.get("model") or "", prompt=pb.Prompt(chat=chat), sampling_params=sp)
+    return ParsedRequest(start, stream, _stream_options(body, stream), want_lp)
+
+
+def _content(content: object, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(
+                    400, f"{where}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported", where
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def token_name(token_id: int) -> str:
+    """How a token is named in logprobs: the gateway holds no tokenizer, so by id (vLLM's
+    ``--return-tokens-as-token-ids`` convention)."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(items: list[pb.TokenLogprob]) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object."""
+    return {
+        "tokens": [token_name(lp.token_id) for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{token_name(t.token_id): t.logprob for t in lp.top_logprobs} for lp in items],
+        "text_offset": None,
+    }
+
+
+def chat_logprobs(items: list[pb.TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [...]}``."""
+    return {
+        "content": [
+            {
+                "token": token_name(lp.token_id),
+                "logprob": lp.logprob,
+                "bytes": None,
+                "top_logprobs": [
+                    {"token": token_name(t.token_id), "logprob": t.logprob, "bytes": None} for t in lp.top_logprobs
+                ],
+            }
+            for lp in items
+        ]
+    }
+
+
+def speculation(s: pb.SpeculationStats | None) -> dict[str, Any] | None:
+    """The ``speculation`` extension field; None when the request did not speculate."""
+    if s is None:
+        return None
+    return {
+        "proposed_tokens": s.proposed_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "acceptance_rate": s.acceptance_rate,
+        "mean_accepted_length": s.mean_accepted_length,
+        "verify_steps": s.verify_steps,
+    }
+
+
+def usage(u: pb.Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def finish_reason(f: pb.Finished) -> str:
+    return _FINISH.get(f.finish_reason, "stop")
+
+
+def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}

@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP endpoint: aiohttp on the gateway's own event loop.
+
+Each request goes through the same parts as a gRPC ``GenerateStream``: the same checks
+(:func:`validate_start`), the same admission slots, routing, failover and metrics (a
+:class:`Relay` feeding an :class:`Outbox`), and the same API keys (``Authorization: Bearer``).
+A client that disconnects cancels its request: the relay cancels the worker call, which
+frees the request's KV blocks. Requests over HTTP are not resumable (the client has no
+handle), so the relay keeps no replay buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import ssl
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+
+from draftwise.gateway.openai import protocol as P
+from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
+from draftwise.gateway.relay import Core, Relay, RequestError
+from draftwise.gateway.streams import Outbox
+from draftwise.gateway.validate import validate_start
+from draftwise.v1 import generation_pb2 as pb
+
+log = structlog.get_logger("draftwise.gateway.openai")
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.CANCELLED: 503,
+    grpc.StatusCode.ABORTED: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+"""HTTP status of each gRPC status code a request can end with (others: 500)."""
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class OpenAIServer:
+    """``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` over ``core``."""
+
+    def __init__(self, core: Core, api_keys: frozenset[str]) -> None:
+        self.core = core
+        self._keys = tuple(k.encode() for k in api_keys)
+        self._refused = core.metrics.requests.labels("resource_exhausted")
+        app = web.Application(middlewares=[self._errors], client_max_size=core.config.max_request_bytes)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        self.app = app
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on host:port (0: any free port); the port bound. OSError when it cannot."""
+        # handler_cancellation: a client that disconnects cancels its handler (and so its request)
+        # shutdown_timeout: the gateway stops HTTP after its grace period, when no request is left
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=False)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise OSError(
+                f"cannot listen on {host}:{port} for HTTP: {e.strerror or e} (pick one with --http-port)"
+            ) from None
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """API keys, and every error as OpenAI's JSON error object."""
+        try:
+            if self._keys and request.path != "/health":
+                self._check_key(request.headers.get("Authorization"))
+            return await handler(request)
+        except ApiError as e:
+            headers = None
+            if e.status == 429:
+                ms = self.core.admission.retry_after_ms
+                headers = {"Retry-After": str(max(1, math.ceil(ms / 1000))), "retry-after-ms": str(ms)}
+            if e.status >= 500:
+                log.warning("http request failed", path=request.path, status=e.status, message=e.message)
+            return _json(e.status, P.error_body(e.status, e.message, e.param, e.code), headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = e.reason
+            if e.status == 404:
+                message = f"no such endpoint: {request.method} {request.path}; this server serves {ENDPOINTS}"
+            elif e.status == 405:
+                message = f"{request.method} is not allowed on {request.path}; this server serves {ENDPOINTS}"
+            elif e.status == 413:
+                message = (
+                    f"the request body is larger than {self.core.config.max_request_bytes} bytes "
+                    "(--max-request-bytes): send a shorter prompt"
+                )
+            return _json(e.status, P.error_body(e.status, message))
+
+    def _check_key(self, header: str | None) -> None:
+        if header is None:
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "malformed Authorization header: expected 'Bearer <key>'")
+        given = key.strip().encode()
+        ok = False
+        for k in self._keys:  # compare against every key: timing says nothing about which matched
+            ok |= hmac.compare_digest(given, k)
+        if not ok:
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+    async def _body(self, request: web.Request) -> object:
+        data = await request.read()
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.core.router.serving and not self.core.draining
+        return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
+
+    def _model_card(self, name: str, max_model_len: int) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "draftwise", "max_model_len": max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        models = self.core.router.models()
+        if not models:
+            raise ApiError(503, f"no worker has reported its model yet ({self.core.router.describe()}); retry shortly")
+        return _json(200, {"object": "list", "data": [self._model_card(n, m) for n, m in sorted(models.items())]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        models = self.core.router.models()
+        if name not in models:
+            raise ApiError(404, f"the model {name[:64]!r} does not exist on this server", "model", "model_not_found")
+        return _json(200, self._model_card(name, models[name]))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, P.parse_completion(await self._body(request)), chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, P.parse_chat(await self._body(request)), chat=True)
+
+    # ------------------------------------------------------------------ one request
+
+    def _admit(self, parsed: ParsedRequest) -> str:
+        """The model to run on; ApiError (503, 404, 400, 429) when the request cannot start."""
+        core, start = self.core, parsed.start
+        try:
+            if core.draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it elsewhere")
+            models = core.router.models()
+            if not models:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no worker has reported its model yet ({core.router.describe()}); retry shortly",
+                )
+            wanted = start.model or core.default_model()
+            if wanted is not None and wanted not in models:
+                served = ", ".join(sorted(models))
+                raise RequestError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"the model {wanted[:64]!r} does not exist on this server; it serves: {served} (GET /v1/models)",
+                )
+            model = validate_start(core, start)
+        except RequestError as e:
+            core.metrics.requests.labels(e.code.name.lower()).inc()
+            status = HTTP_STATUS.get(e.code, 500)
+            raise ApiError(status, e.message, "model" if status == 404 else None, _code(status)) from None
+        if not core.admission.try_acquire():
+            self._refused.inc()
+            adm = core.admission
+            raise ApiError(
+                429,
+                f"the server is at capacity ({adm.max_in_flight} requests in flight); "
+                f"retry after {adm.retry_after_ms} ms (Retry-After header)",
+                code="rate_limit_exceeded",
+            )
+        return model
+
+    async def _generate(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
+        model = self._admit(parsed)
+        core = self.core
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        outbox = Outbox(core.config.max_buffered_tokens)
+        relay = Relay(core, rid, parsed.start, model, outbox, None)
+        relay.buffer = None  # not resumable over HTTP: a client that leaves cancels its request
+        relay.start()
+        try:
+            first = await outbox.get()
+            _raise_if_error(first)
+            if parsed.stream:
+                return await self._stream(request, parsed, chat, rid, model, outbox, first)
+            return await self._collect(parsed, chat, rid, model, outbox, first)
+        finally:
+            relay.cancel()  # no-op once finished; else (the client left) the worker frees its KV blocks
+
+    async def _collect(
+        self, parsed: ParsedRequest, chat: bool, rid: str, model: str, outbox: Outbox, first: Any
+    ) -> web.Response:
+        text: list[str] = []
+        logprobs: list[pb.TokenLogprob] = []
+        spec: pb.SpeculationStats | None = None
+        resp = first
+        while True:
+            _raise_if_error(resp)
+            ev = resp.event
+            if ev.WhichOneof("kind") == "delta":
+                text.append(ev.delta.text)
+                logprobs.extend(ev.delta.logprobs)
+                if ev.delta.HasField("speculation"):
+                    spec = ev.delta.speculation
+            elif ev.WhichOneof("kind") == "finished":
+                break
+            resp = await outbox.get()
+        fin = ev.finished
+        body = P.envelope(rid, "chat.completion" if chat else "text_completion", model)
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["logprobs"] = P.chat_logprobs(logprobs) if parsed.logprobs else None
+        else:
+            choice["text"] = "".join(text)
+            choice["logprobs"] = P.completion_logprobs(logprobs) if parsed.logprobs else None
+        choice["finish_reason"] = P.finish_reason(fin)
+        body["choices"] = [choice]
+        body["usage"] = P.usage(fin.usage)
+        if spec is not None:
+            body["speculation"] = P.speculation(spec)
+        return _json(200, body)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        chat: bool,
+        rid: str,
+        model: str,
+        outbox: Outbox,
+        first: Any,
+    ) -> web.StreamResponse:
+        http = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await http.prepare(request)
+        base = P.envelope(rid, "chat.completion.chunk" if chat else "text_completion", model)
+
+        def chunk(choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+            out = dict(base, choices=[] if choice is None else [dict(index=0, **choice)])
+            if parsed.include_usage:
+                out["usage"] = None
+            out.update(extra)
+            return out
+
+        if chat:
+            await http.write(
+                _sse(chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
+            )
+        resp = first
+        try:
+            while resp is not None:
+                _raise_if_error(resp)
+                ev = resp.event
+                kind = ev.WhichOneof("kind")
+                if kind == "delta":
+                    d = ev.delta
+                    extra = {"speculation": P.speculation(d.speculation)} if d.HasField("speculation") else {}
+                    lp = list(d.logprobs) if parsed.logprobs else None
+                    if chat:
+                        c = {"delta": {"content": d.text}, "logprobs": P.chat_logprobs(lp) if lp is not None else None}
+                    else:
+                        c = {"text": d.text, "logprobs": P.completion_logprobs(lp) if lp is not None else None}
+                    await http.write(_sse(chunk(dict(c, finish_reason=None), **extra)))
+                elif kind == "finished":
+                    fin = ev.finished
+                    c = {"delta": {}} if chat else {"text": ""}
+                    await http.write(_sse(chunk(dict(c, logprobs=None, finish_reason=P.finish_reason(fin)))))
+                    if parsed.include_usage:
+                        await http.write(_sse(dict(chunk(None), usage=P.usage(fin.usage))))
+                    break
+                resp = await outbox.get()
+        except ApiError as e:  # after the headers: the error travels as an event
+            await http.write(_sse(P.error_body(e.status, e.message, e.param, e.code)))
+        await http.write(b"data: [DONE]\n\n")
+        await http.write_eof()
+        return http
+
+
+def _code(status: int) -> str | None:
+    return {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status)
+
+
+def _raise_if_error(resp: Any) -> None:
+    """ApiError for a final error event (or a relay that ended without one)."""
+    if resp is None:
+        raise ApiError(500, "the request ended without a final event")
+    if resp.event.WhichOneof("kind") == "error":
+        err = resp.event.error
+        code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+        status = HTTP_STATUS.get(code, 500)
+        raise ApiError(status, err.message, code=_code(status))
+
+
+async def start_openai_server(
+    core: Core, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None
+) -> OpenAIServer:
+    """An OpenAIServer listening on host:port (HTTPS with the gateway's certificate when it has one)."""
+    ctx = None
+    if tls_cert and tls_key:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        await asyncio.to_thread(ctx.load_cert_chain, tls_cert, tls_key)
+    server = OpenAIServer(core, core.config.api_keys)
+    await server.start(host, port, ctx)
+    return server
