@@ -31,7 +31,7 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 FROM base AS gateway
 COPY --from=wheel /wheels /wheels
 RUN pip install "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1" "protobuf>=7.35.1,<8" \
-        "googleapis-common-protos>=1.63" "uvloop>=0.19" "structlog>=24.1" "prometheus-client>=0.20" \
+        "googleapis-common-protos>=1.63" "uvloop>=0.19" "structlog>=24.1" "prometheus-client>=0.20" "aiohttp>=3.9" \
     && pip install --no-deps /wheels/*.whl \
     && rm -rf /wheels
 USER draftwise

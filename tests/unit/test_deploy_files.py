@@ -20,6 +20,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from draftwise.envflags import env_actions
 from draftwise.gateway.discovery import dns_target
@@ -297,7 +298,8 @@ def _closure(names: set[str]) -> set[str]:
             continue
         out.add(name)
         for req in importlib.metadata.requires(name) or []:
-            if "extra ==" not in req:
+            marker = Requirement(req).marker
+            if marker is None or marker.evaluate({"extra": ""}):  # not for an extra, nor another platform/Python
                 todo.append(_requirement_name(req))
     return out
 
@@ -320,7 +322,7 @@ def test_gateway_image_is_torch_free_and_complete() -> None:
 
 
 BLOCKED_IMPORTS = """
-import contextlib, importlib.abc, importlib.metadata, json, sys
+import contextlib, importlib.abc, importlib.machinery, importlib.metadata, json, sys
 
 allowed = set(json.loads(sys.argv[1]))
 owners = importlib.metadata.packages_distributions()
@@ -331,17 +333,20 @@ def norm(name):
     return name.lower().replace("_", "-")
 
 
-class Block(importlib.abc.MetaPathFinder):
+class Hide(importlib.abc.MetaPathFinder):
+    # the path finder, blind to modules of distributions the image does not install: they are
+    # absent, for imports and for optional-dependency probes (importlib.util.find_spec) alike
+
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]
         dists = {norm(d) for d in owners.get(top, [])}
         if dists and not dists & allowed:
             blocked.add(top)
-            raise ModuleNotFoundError(f"blocked: {name} ({sorted(dists)})", name=name)
-        return None
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
 
 
-sys.meta_path.insert(0, Block())
+sys.meta_path = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
 import draftwise.cli, draftwise.gateway.main, draftwise.gateway.server, draftwise.health_cli, uvloop
 
 for argv in (["gateway", "--help"], ["health", "--help"]):
