@@ -99,3 +99,44 @@ def test_unseeded_rows_are_complete_and_speculation_ran(mixed) -> None:
     engine, out = mixed
     assert all(len(toks) == N for toks in out.values())
     assert engine.spec_totals["proposed"] > 0 and engine.spec_totals["verify_steps"] > 0
+
+
+def test_acceptance_counts_only_tokens_that_reach_the_output() -> None:
+    """A stop token inside an accepted run of drafts ends the request there: the drafts after
+    it were accepted by the verifier but never reach the output, and are not counted."""
+    engine = LLMEngine(
+        EngineConfig(**BASE, speculative_model="default", num_speculative_tokens=4, speculative_adaptive=False)
+    )
+    greedy = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("free", CODE, SamplingParams(**greedy))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step().deltas
+    tokens = [t for d in deltas for t in d.token_ids]
+    # a token that first occurs inside a round, not as its last token: accepted drafts follow it
+    inside = [
+        d.first_token_index + j
+        for d in deltas
+        for j in range(len(d.token_ids) - 1)
+        if tokens.index(d.token_ids[j]) == d.first_token_index + j
+    ]
+    assert inside, "the draft must have accepted runs on this text"
+    cut = inside[0]
+    engine.add_request("stopped", CODE, SamplingParams(**greedy, stop_token_ids=[tokens[cut]]))
+    final = None
+    while engine.has_unfinished_requests():
+        for d in engine.step().deltas:
+            final = d.final or final
+    assert final is not None
+    out = final.outputs[0]
+    assert out.token_ids == tokens[: cut + 1] and out.finish_reason == "stop"
+    # every delta after the prefill's first token is one verified round (k = 4 always): its
+    # accepted drafts are all its tokens but the last; in the round the stop cuts, only those
+    # up to the stop token reached the output
+    rounds = [d for d in deltas[1:] if d.first_token_index <= cut]
+    last = rounds[-1]
+    want = sum(len(d.token_ids) - 1 for d in rounds[:-1]) + (cut - last.first_token_index + 1)
+    assert len(last.token_ids) - 1 > cut - last.first_token_index + 1  # drafts were accepted past the stop
+    assert out.spec is not None and out.spec.verify_steps == len(rounds)
+    assert out.spec.accepted == want, (out.spec, want)
+    engine.check_idle_invariants()

@@ -106,6 +106,7 @@ class SpecDecoder:
         self.states: dict[str, RequestSpecState] = {}  # request id -> policy state and counters
         self.drafts: dict[str, list[int]] = {}  # request id -> this step's drafted tokens
         self.doomed: list[tuple[Request, BaseException]] = []  # failed while planning; finished after
+        self._round: tuple[str, int, int] | None = None  # (request id, accepted, output length) being emitted
 
     @classmethod
     def build(
@@ -140,9 +141,16 @@ class SpecDecoder:
         self.states[req.request_id] = state
 
     def stats(self, req: Request) -> SpecStats | None:
-        """The request's counters so far; None when it does not speculate."""
+        """The request's counters so far; None when it does not speculate. While a verified
+        round is being emitted, only its accepted drafts that reached the output count."""
         st = self.states.get(req.request_id)
-        return None if st is None else SpecStats(st.proposed, st.accepted, st.verify_steps)
+        if st is None:
+            return None
+        accepted = st.accepted
+        if self._round is not None and self._round[0] == req.request_id:
+            _, a, before = self._round
+            accepted -= a - min(a, len(req.output_token_ids) - before)
+        return SpecStats(st.proposed, accepted, st.verify_steps)
 
     def release(self, req: Request) -> None:
         """The target's blocks of ``req`` were freed (finished, aborted, failed, preempted):
@@ -253,28 +261,42 @@ class SpecDecoder:
         for s, toks, a, lps in results:
             r, k = s.request, s.num_draft_tokens
             try:
-                self._accept(r, k, a, toks, lps, emit)
+                reached = self._accept(r, k, a, toks, lps, emit)
             except Exception as e:
                 if self.is_fatal(e):
                     raise
                 fail(r, e)
                 continue
             proposed += k
-            accepted += a
+            accepted += reached
         self.totals["proposed"] += proposed
         self.totals["accepted"] += accepted
         self.totals["verify_steps"] += len(results)
         return proposed, accepted
 
-    def _accept(self, r: Request, k: int, a: int, toks: list[int], lps: list[TokenLogprobs | None], emit: Emit) -> None:
-        self.policy.update(self.states[r.request_id], k, a)
+    def _accept(self, r: Request, k: int, a: int, toks: list[int], lps: list[TokenLogprobs | None], emit: Emit) -> int:
+        """Emit the round's tokens and roll back; returns the accepted drafts that reached the
+        output (fewer than ``a`` when the request finished inside the accepted run: a stop
+        token, a stop string, max_tokens). The policy learns from ``a``, the draft's real
+        agreement; the request's counters count only what reached the output."""
+        st = self.states[r.request_id]
+        self.policy.update(st, k, a)
         num_tokens_before = r.num_tokens
         r.num_computed_tokens += 1 + a  # the token verified plus the accepted drafts; the last emitted one is new
         self.drafts.pop(r.request_id, None)
-        delta = emit(r, toks, lps)
-        if delta is not None and not delta.finished:
+        self._round = (r.request_id, a, len(r.output_token_ids))  # stats() counts what is emitted
+        try:
+            delta = emit(r, toks, lps)
+        finally:
+            self._round = None
+        if delta is None:  # the request failed on its own: its counters no longer matter
+            return 0
+        reached = min(a, len(delta.token_ids))
+        st.accepted -= a - reached
+        if not delta.finished:
             self.blocks.shrink(r.block_table, r.num_tokens)  # rejected positions' blocks go back
             self.proposer.settle(r, num_tokens_before, k, a)
+        return reached
 
     def _verify_batch(
         self,
