@@ -169,25 +169,31 @@ def write_tiny_llama(
     seed: int = 0,
     raw: dict[str, tuple[str, np.ndarray]] | None = None,
     vocab: int = TINY["vocab"],
+    omit: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
     """A random tiny Llama as a GGUF file (2-D weights in ``qtype``); returns the Hugging Face-order
-    weights. ``raw`` replaces tensors by (type name, bytes) as written."""
+    weights. ``raw`` replaces tensors by (type name, bytes) as written; ``omit`` leaves metadata out."""
     h, heads, kv, inter = TINY["hidden"], TINY["heads"], TINY["kv"], TINY["inter"]
     d = h // heads
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(256)
-    w.add_embedding_length(h)
-    w.add_block_count(TINY["layers"])
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_dimension_count(d)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_eos_token_id(1)
+    metadata = {
+        "name": "tiny-llama",
+        "context_length": 256,
+        "embedding_length": h,
+        "block_count": TINY["layers"],
+        "feed_forward_length": inter,
+        "head_count": heads,
+        "head_count_kv": kv,
+        "rope_dimension_count": d,
+        "rope_freq_base": 10000.0,
+        "layer_norm_rms_eps": 1e-5,
+        "vocab_size": vocab,
+        "eos_token_id": 1,
+    }
+    for key, value in metadata.items():
+        if key not in omit:
+            getattr(w, f"add_{key}")(value)
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
@@ -271,6 +277,13 @@ def test_non_llama_gguf_is_refused(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'gpt2' \(general.architecture\)"):
+        load_model(path)
+
+
+def test_missing_metadata_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "nolayers.gguf"
+    write_tiny_llama(path, omit=("block_count",))
+    with pytest.raises(ModelLoadError, match="nolayers.gguf: GGUF metadata lacks 'llama.block_count'"):
         load_model(path)
 
 
