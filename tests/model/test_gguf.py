@@ -5,7 +5,8 @@
   tokenizer equal to transformers' and built from the file's own vocabulary, the end-of-turn token
   a stop token;
 - tiny random Llama GGUFs written with the ``gguf`` package's writer, one per supported tensor
-  type (the Q/K permutation llama.cpp applies is undone: weights equal the originals);
+  type (the Q/K permutation llama.cpp applies is undone: weights equal the originals), and a
+  tiny Qwen2 (q/k/v biases);
 - refusals: an unsupported tensor type, a non-Llama architecture, a missing, truncated or foreign
   file, a GGUF without a tokenizer.
 """
@@ -170,13 +171,15 @@ def write_tiny_llama(
     raw: dict[str, tuple[str, np.ndarray]] | None = None,
     vocab: int = TINY["vocab"],
     omit: tuple[str, ...] = (),
+    arch: str = "llama",
 ) -> dict[str, np.ndarray]:
     """A random tiny Llama as a GGUF file (2-D weights in ``qtype``); returns the Hugging Face-order
-    weights. ``raw`` replaces tensors by (type name, bytes) as written; ``omit`` leaves metadata out."""
+    weights. ``raw`` replaces tensors by (type name, bytes) as written; ``omit`` leaves metadata out;
+    ``arch="qwen2"``: q/k/v biases, no Q/K permutation (llama.cpp permutes Llama's only)."""
     h, heads, kv, inter = TINY["hidden"], TINY["heads"], TINY["kv"], TINY["inter"]
     d = h // heads
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     metadata = {
         "name": "tiny-llama",
         "context_length": 256,
@@ -205,6 +208,9 @@ def write_tiny_llama(
         hf[b + "attn_q.weight"] = mat(heads * d, h)
         hf[b + "attn_k.weight"] = mat(kv * d, h)
         hf[b + "attn_v.weight"] = mat(kv * d, h)
+        if arch == "qwen2":
+            for p, n in (("q", heads), ("k", kv), ("v", kv)):
+                hf[b + f"attn_{p}.bias"] = (0.2 * rng.standard_normal(n * d)).astype(np.float32)
         hf[b + "attn_output.weight"] = mat(h, heads * d)
         hf[b + "ffn_gate.weight"] = mat(inter, h)
         hf[b + "ffn_up.weight"] = mat(inter, h)
@@ -217,9 +223,9 @@ def write_tiny_llama(
             kind, data = raw[name]
             w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
             continue
-        if name.endswith("attn_q.weight"):
+        if arch == "llama" and name.endswith("attn_q.weight"):
             arr = _permute(arr, heads)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             arr = _permute(arr, kv)
         if arr.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, arr)
@@ -253,6 +259,23 @@ def test_tiny_gguf_matches_transformers(tmp_path: Path, qtype: str) -> None:
     # within the type's rounding (4 bits: up to ~0.1 here); rows out of order would be off by ~1
     assert err < (1e-6 if qtype == "F32" else 0.15), f"{qtype}: |loaded - original| = {err}"
     assert not loaded.config.tie_word_embeddings and loaded.config.eos_token_ids == (1,)
+
+
+def test_tiny_qwen2_gguf_matches_transformers(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-qwen2.gguf"
+    original = write_tiny_llama(path, "Q8_0", arch="qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+    assert hf.config.model_type == "qwen2"
+    prompts = [[3, 17, 42, 5, 88], [9]]
+    worst = compare_prefill_then_decode(path, hf, prompts, block_size=4, decode_steps=3)
+    assert worst < TOL, f"qwen2: max |ours - transformers| = {worst:.3g}"
+    loaded = load_model(path, dtype="float32")
+    assert loaded.config.architecture == "Qwen2ForCausalLM" and loaded.config.qkv_bias
+    bias = loaded.model.layers[0].self_attn.qkv_proj.bias.detach()
+    want = np.concatenate([original[f"blk.0.attn_{p}.bias"] for p in "qkv"])
+    assert torch.equal(bias, torch.from_numpy(want))
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path: Path) -> None:
