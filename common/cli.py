@@ -44,6 +44,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 def _generate(args: argparse.Namespace) -> int:
     from draftwise.worker import default_model_path
+    from draftwise.worker.config import EngineConfig, as_flags
     from draftwise.worker.greedy import greedy_tokens
     from draftwise.worker.loader import load_model
     from draftwise.worker.model_config import ModelLoadError
@@ -51,12 +52,27 @@ def _generate(args: argparse.Namespace) -> int:
 
     folder = args.model or default_model_path("target")
     try:
+        EngineConfig(dtype=args.dtype, device=args.device)  # checks both before anything loads
         loaded = load_model(folder, dtype=args.dtype, device=args.device)
         tok = load_tokenizer(folder)
-    except (ModelLoadError, ValueError) as e:
+    except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # a bad --dtype or --device
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
+        return 2
     ids = tok.encode(args.prompt)
+    context = loaded.config.max_position_embeddings
+    if not ids:
+        print("error: the prompt is empty", file=sys.stderr)
+        return 2
+    if len(ids) + args.max_tokens > context:
+        print(
+            f"error: the prompt is {len(ids)} tokens and --max-tokens is {args.max_tokens}: together more than the "
+            f"model's context of {context} tokens (shorten the prompt or lower --max-tokens)",
+            file=sys.stderr,
+        )
+        return 2
     stop = () if args.ignore_eos else loaded.config.eos_token_ids
     out: list[int] = []
     shown = ""
@@ -115,6 +131,20 @@ def _transport_error(e: object) -> bool:
     return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and any(d in details for d in TRANSPORT_DETAILS)
 
 
+def _tls_hint(problem: str, tls: bool) -> str:
+    """A hint for a connection that failed the way a TLS mismatch fails: a plaintext client
+    against a TLS server sees its socket closed; a TLS client against a plaintext server (or
+    with the wrong CA) fails the handshake."""
+    low = problem.lower()
+    if not tls and ("socket closed" in low or "connection reset" in low):
+        return " (if the server uses TLS, add --tls, or --tls-ca CA.pem for a private CA)"
+    if tls and any(w in low for w in ("ssl", "handshake", "certificate", "tls")):
+        return (
+            " (the TLS handshake failed: the server may not use TLS (drop --tls/--tls-ca), or --tls-ca is not its CA)"
+        )
+    return ""
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream the completion from a running server. Should the connection drop after the
     first delta, reconnect and resume the request with its resume handle at the first token
@@ -142,7 +172,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if args.wait:
             problem = _wait_serving(channel, args.wait, metadata)
             if problem is not None:
-                print(f"error: {args.server} is not serving after {args.wait:g} s ({problem})", file=sys.stderr)
+                hint = _tls_hint(problem, bool(args.tls or args.tls_ca))
+                print(f"error: {args.server} is not serving after {args.wait:g} s ({problem}){hint}", file=sys.stderr)
                 return 1
         params = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         start = pb.StartGeneration(model=args.model or "", prompt=pb.Prompt(text=args.prompt), sampling_params=params)
@@ -186,13 +217,34 @@ def _generate_remote(args: argparse.Namespace) -> int:
                 late = deadline is not None and time.monotonic() + delay >= deadline
                 if not handle or not _transport_error(e) or in_row > RESUME_ATTEMPTS or late:
                     sys.stdout.write("\n")
-                    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+                    hint = _tls_hint(e.details() or "", bool(args.tls or args.tls_ca))
+                    print(f"error: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
                     return 1
             finally:
                 call.cancel()
             time.sleep(delay)
         sys.stdout.write("\n")
     return 0
+
+
+def _engine_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the engine flags, named as flags, checked before any worker starts
+    (a worker takes seconds to load); None when they make a valid engine configuration. Only
+    the worker's configuration module is read here, which imports neither torch nor the rest
+    of the worker."""
+    from draftwise.worker.config import EngineConfig, as_flags, missing_paths
+
+    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _t, _h in ENGINE_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None and k != "model_name"}
+    if args.speculative_adaptive is not None:
+        given["speculative_adaptive"] = args.speculative_adaptive
+    try:
+        cfg = EngineConfig(**given)
+    except ValueError as e:
+        return as_flags(str(e))
+    for name, path in missing_paths(cfg):
+        return f"--{name.replace('_', '-')} {path}: no such file or folder"
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -210,6 +262,10 @@ def _serve(args: argparse.Namespace) -> int:
         worker_args.append("--enforce-eager")
     if args.speculative_adaptive is not None:
         worker_args.append("--speculative-adaptive" if args.speculative_adaptive else "--no-speculative-adaptive")
+    problem = _engine_flags_problem(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         configure_logging(args.log_format, args.log_level)
         cfg = ServeConfig(

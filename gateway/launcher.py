@@ -138,7 +138,7 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
             n = len(sup.procs)
             print(
                 f"draftwise serving {models} on {where} ({n} worker{'s' * (n > 1)}"
-                f"{', TLS' if g.tls_cert else ''}{extra}); Ctrl-C stops",
+                f"{', TLS' if g.tls_cert else ''}{speculation_note(gateway.router)}{extra}); Ctrl-C stops",
                 file=stream,
                 flush=True,
             )
@@ -155,6 +155,17 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
         finally:
             await sup.stop(0.0 if now.is_set() else cfg.worker_stop_timeout_s)
             log.info("stopped")
+
+
+def speculation_note(router: object) -> str:
+    """``, speculative decoding: draft <model> k<=N`` (or ``ngram k<=N``) for the serving line;
+    empty when no model is served with speculation."""
+    parts = []
+    for w in router.model_infos().values():  # type: ignore[attr-defined]
+        if w.speculative_method:
+            draft = f" {w.draft_model}" if w.draft_model else ""
+            parts.append(f"{w.speculative_method}{draft} k<={w.num_speculative_tokens}")
+    return f", speculative decoding: {'; '.join(sorted(set(parts)))}" if parts else ""
 
 
 def _port_in_use(host: str, port: int) -> str | None:

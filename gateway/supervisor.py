@@ -192,6 +192,11 @@ class Supervisor:
     def _say(self, text: str) -> None:
         print(text, file=self.console, flush=True)
 
+    def _end_progress(self, tty: bool, shown: int) -> None:
+        """Clear the terminal's counting line, if one is shown."""
+        if tty and shown >= 0:
+            print("\r\x1b[K", end="", file=self.console, flush=True)
+
     # ------------------------------------------------------------------ start
 
     async def start(self, stop: asyncio.Event) -> int | None:
@@ -199,16 +204,34 @@ class Supervisor:
         listen, else the exit status to return (1: none started or too slow, 0: stopped)."""
         for p in self.procs:
             p.spawn()
-        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        deadline = started + self.startup_timeout_s
+        n = len(self.procs)
+        self._say(f"starting {n} worker{'s' * (n > 1)}: loading the model (seconds to a minute)")
+        tty = self.console.isatty()
+        shown = -1
         while any(p.state == State.STARTING for p in self.procs):
             if stop.is_set():
+                self._end_progress(tty, shown)
                 return 0
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
+                self._end_progress(tty, shown)
                 self._say(f"error: the workers did not start within {self.startup_timeout_s:g} s")
                 return 1
             for p in self.procs:
-                self._check(p, time.monotonic())
+                was = p.state
+                self._check(p, now)
+                if was == State.STARTING and p.state == State.RUNNING:
+                    self._end_progress(tty, shown)
+                    shown = -1
+                    self._say(f"{p.name} ready after {now - p.started_at:.1f} s")
+            if tty and int(now - started) != shown:  # a line that counts the seconds on a terminal
+                shown = int(now - started)
+                ready = sum(p.state == State.RUNNING for p in self.procs)
+                print(f"\rloading: {ready}/{n} ready, {shown} s", end="", file=self.console, flush=True)
             await asyncio.sleep(0.1)
+        self._end_progress(tty, shown)
         running = [p for p in self.procs if p.state == State.RUNNING]
         if not running:
             return 1

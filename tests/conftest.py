@@ -10,3 +10,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # kernel tests compare them with their torch twins). Set before anything imports triton.
 if os.environ.get("DRAFTWISE_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+SLOW_FOLDERS = ("reliability", "model")
+"""Suites marked ``slow`` as a whole: worker kills, fuzzing and chaos (real processes, minutes),
+parity with transformers (loads Hugging Face models). CI runs everything; ``pytest -m "not slow"``
+runs the fast layers alone."""
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    import pytest
+
+    for item in items:
+        parts = item.path.parts
+        if "tests" in parts and parts[parts.index("tests") + 1] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)

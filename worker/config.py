@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
 SPECULATIVE_METHODS = ("draft", "ngram")
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
@@ -25,7 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps
     max_model_len: int | None = None  # context length; None: the model's max_position_embeddings
     kv_cache_memory_bytes: int | None = (
-        None  # KV budget in bytes (CPU default 1 GiB; on CUDA overrides gpu_memory_utilization)
+        None  # KV budget in bytes (CPU default: max_num_seqs x max_model_len tokens, at most 1 GiB; CUDA: overrides gpu_memory_utilization)
     )
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
     num_kv_blocks: int | None = None  # exact KV block count, overriding both budgets (tests, tuning)
@@ -40,6 +42,10 @@ class EngineConfig:
     prompt_lookup_max: int | None = None  # ngram: longest suffix tried first; None: 4
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if isinstance(self.device, str) and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -61,7 +67,7 @@ class EngineConfig:
         if method is not None and method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
         if method == "ngram" and self.speculative_model is not None:
-            raise ValueError("speculative_method='ngram' uses no draft model: leave speculative_model unset")
+            raise ValueError("speculative_method='ngram' needs no draft checkpoint: leave speculative_model unset")
         if method == "draft" and self.speculative_model is None:
             raise ValueError("speculative_method='draft' needs speculative_model (a checkpoint folder, or 'default')")
         if self.speculative_model is not None and not str(self.speculative_model):
@@ -100,3 +106,31 @@ class EngineConfig:
     def spec_k(self) -> int:
         """The most tokens drafted per request per step."""
         return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+
+
+def missing_paths(config: EngineConfig) -> list[tuple[str, str]]:
+    """The checkpoint paths of ``config`` that do not exist, as (field, path); checked before
+    anything loads (a worker takes seconds to start)."""
+    out = []
+    for name in ("model", "tokenizer", "speculative_model"):
+        value = getattr(config, name)
+        if value is None or (name == "speculative_model" and str(value) == "default"):
+            continue
+        if not Path(value).exists():
+            out.append((name, str(value)))
+    return out
+
+
+def as_flags(message: str) -> str:
+    """``message`` about EngineConfig fields, written with the command-line flags instead:
+    ``speculative_method='ngram'`` reads ``--speculative-method ngram``, ``max_num_seqs``
+    reads ``--max-num-seqs``; quoted values stay as they are."""
+    names = "|".join(sorted((f.name for f in fields(EngineConfig)), key=len, reverse=True))
+
+    def flag(m: re.Match[str]) -> str:
+        if m.group(1) is None:
+            return m.group(0)  # a quoted value
+        out = "--" + m.group(1).replace("_", "-")
+        return out + (" " + m.group(2) if m.group(2) is not None else "")
+
+    return re.sub(rf"'[^']*'|\b({names})\b(?:='([^']*)')?", flag, message)

@@ -8,8 +8,10 @@ while engine.has_unfinished_requests():
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -43,7 +45,10 @@ from draftwise.worker.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("draftwise.engine")
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_MAX_DEFAULT_KV_BYTES = 1 << 30
+"""The CPU default KV budget: enough for max_num_seqs sequences at max_model_len tokens, but
+at most this and at most CPU_MAX_DEFAULT_KV_SHARE of the machine's memory."""
+CPU_MAX_DEFAULT_KV_SHARE = 1 / 8
 DEFAULT_CHUNKED_BATCH_TOKENS = 2048
 
 _FATAL_MARKERS = (
@@ -248,7 +253,7 @@ class LLMEngine:
         elif self.loaded.device.type == "cuda":
             budget = self._cuda_kv_budget(max_batched)
         else:
-            budget = CPU_DEFAULT_KV_BYTES
+            return cpu_default_kv_blocks(per_block, cfg.block_size, cfg.max_num_seqs, self.max_model_len)
         blocks = budget // per_block
         if blocks < 1:
             raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
@@ -958,3 +963,14 @@ def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | 
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def cpu_default_kv_blocks(per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """KV blocks on CPU when no budget is given: every one of ``max_num_seqs`` sequences at
+    ``max_model_len`` tokens, within CPU_MAX_DEFAULT_KV_BYTES and CPU_MAX_DEFAULT_KV_SHARE of the
+    machine's memory, and never less than one sequence at full length."""
+    per_seq = -(-max_model_len // block_size)
+    cap = CPU_MAX_DEFAULT_KV_BYTES
+    with contextlib.suppress(ValueError, OSError):  # without sysconf: the fixed cap alone
+        cap = min(cap, int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_MAX_DEFAULT_KV_SHARE))
+    return max(per_seq, min(max_num_seqs * per_seq, cap // per_block))

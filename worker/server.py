@@ -40,7 +40,7 @@ from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
 from draftwise.worker.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from draftwise.worker.config import EngineConfig
+from draftwise.worker.config import EngineConfig, as_flags
 from draftwise.worker.engine import LLMEngine
 from draftwise.worker.model_config import ModelLoadError
 from draftwise.worker.outputs import StepOutput
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_format, args.log_level)
         cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
     if args.internal_secret_file is None and not args.insecure_internal:
         print(

@@ -285,7 +285,7 @@ def test_speculation_config_errors(tmp_path):
         EngineConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="needs speculative_model"):
         EngineConfig(speculative_method="draft")
-    with pytest.raises(ValueError, match="uses no draft model"):
+    with pytest.raises(ValueError, match="needs no draft checkpoint"):
         EngineConfig(speculative_method="ngram", speculative_model="default")
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         EngineConfig(speculative_model="default", num_speculative_tokens=0)

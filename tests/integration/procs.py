@@ -170,7 +170,7 @@ def metrics_port(gateway: Proc) -> int:
 
 LISTENING = re.compile(
     r"^draftwise serving (?P<model>\S+) on 127\.0\.0\.1:(?P<port>\d+) \((?P<workers>\d+) workers?"
-    r"(?:, TLS)?(?:; metrics on http://[^:]+:(?P<metrics>\d+)/metrics)?\); Ctrl-C stops$"
+    r"(?:, TLS)?(?:, speculative decoding: (?P<spec>[^;)]+))?(?:; metrics on http://[^:]+:(?P<metrics>\d+)/metrics)?\); Ctrl-C stops$"
 )
 """The line ``draftwise serve`` prints once it serves."""
 

@@ -171,3 +171,26 @@ def test_tls_with_keys(tls_gateway, tls_files):
         timeout=60,
     )
     assert res.returncode == 1 and "UNAUTHENTICATED" in res.stderr
+
+
+def test_a_tls_mismatch_says_so(tls_gateway, auth_gateway, tls_files):
+    """A plaintext client against a TLS server only sees its socket closed, a TLS client against a
+    plaintext server a failed handshake: the command line says what to try, in one line."""
+    cert, _ = tls_files
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "draftwise.cli", "generate", "x", "--max-tokens=2", *argv],
+            env=child_env(DRAFTWISE_API_KEY=FILE_KEYS[0]),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    plain = run(f"--server={tls_gateway.address}")
+    assert plain.returncode == 1 and "add --tls" in plain.stderr and "Traceback" not in plain.stderr, plain.stderr
+    waited = run(f"--server={tls_gateway.address}", "--wait=1")
+    assert waited.returncode == 1 and "add --tls" in waited.stderr, waited.stderr
+    tls = run(f"--server={auth_gateway.address}", f"--tls-ca={cert}")
+    assert tls.returncode == 1 and "TLS handshake failed" in tls.stderr and "Traceback" not in tls.stderr, tls.stderr

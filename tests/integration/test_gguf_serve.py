@@ -1,7 +1,8 @@
 """A GGUF file served for real: ``draftwise serve --model x.gguf`` streams completions (plain
 text and a chat-formatted prompt rendered with the file's own template) equal to the offline
 engine's greedy output on the same file, a chat reply ending at the template's end-of-turn token; ``draftwise generate --model x.gguf`` prints the same;
-a GGUF path that does not exist is one line and exit 2 (generate) or a worker given up (serve)."""
+a GGUF path that does not exist is one line and exit 2 (generate), a file that is no GGUF a worker
+given up with the reason (serve)."""
 
 from __future__ import annotations
 
@@ -109,10 +110,14 @@ def test_missing_gguf_is_refused(tmp_path: Path) -> None:
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr == f"error: {missing}: GGUF file does not exist\n"
 
-    serve = ServeProc(tmp_path, f"--model={missing}")
+    # a file that exists but is no GGUF: the worker refuses it, serve gives it up and says why
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_text("not a model")
+    serve = ServeProc(tmp_path, f"--model={foreign}")
     try:
         assert serve.popen.wait(180) == 1
     finally:
         serve.close()
     log = serve.log()
-    assert "while starting; not restarting it" in log and f"{missing}: GGUF file does not exist" in log, log[-3000:]
+    assert "while starting; not restarting it" in log, log[-3000:]
+    assert f"{foreign}: not a GGUF file (it does not start with the GGUF magic bytes)" in log, log[-3000:]

@@ -29,6 +29,7 @@ LISTENING = re.compile(r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 work
 
 class Serve:
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "draftwise.cli", "serve", "--workers=1", "--port=0", "--log-format=json"]
             + ["--shutdown-grace=30", *ENGINE_ARGS],
@@ -50,6 +51,9 @@ class Serve:
             self.popen.kill()
             raise AssertionError("draftwise serve printed nothing")
         return self.popen.stdout.readline().rstrip("\n")
+
+    def log(self) -> str:
+        return (self.tmp / "serve.log").read_text(errors="replace")
 
     def workers(self) -> list[int]:
         """Pids of the worker processes started by this serve."""
@@ -109,6 +113,10 @@ def test_serve_generate_and_graceful_sigterm(serve, reference_llm):
     assert res.returncode == 0, res.stderr
     (ref,) = reference_outputs(reference_llm, [prompt], SamplingParams(temperature=0, max_tokens=24))
     assert res.stdout == prompt + ref.outputs[0].text + "\n"
+    # while starting, the console said what was loading and when each worker was ready
+    console = [line for line in serve.log().splitlines() if not line.startswith("{")]
+    assert console[:2] == ["starting 1 worker: loading the model (seconds to a minute)", console[1]], console
+    assert re.fullmatch(r"worker-0 ready after \d+\.\d s", console[1]), console
 
     workers = serve.workers()
     assert len(workers) == 1

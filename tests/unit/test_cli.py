@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from draftwise.cli import main
@@ -17,6 +21,33 @@ def test_generate_bad_max_tokens(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "x", "--max-tokens", "0"])
     assert e.value.code == 2 and "--max-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_generate_over_the_context_is_one_line_before_any_output():
+    """Run as a user runs it: the real command, its stdout, stderr and exit status."""
+    res = subprocess.run(
+        [sys.executable, "-m", "draftwise.cli", "generate", "x " * 3000, "--max-tokens", "10"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and res.stdout == "", res.stdout[:200]
+    assert res.stderr == (
+        "error: the prompt is 3002 tokens and --max-tokens is 10: together more than the model's context of 2048 "
+        "tokens (shorten the prompt or lower --max-tokens)\n"
+    ), res.stderr[-2000:]
+
+
+def test_generate_bad_dtype_is_one_line(capsys):
+    assert main(["generate", "x", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --dtype must be one of") and err.count("\n") == 1, err
+
+
+def test_generate_bad_device_is_one_line(capsys):
+    assert main(["generate", "x", "--device", "bogus"]) == 2
+    assert capsys.readouterr().err == "error: --device must be cpu, cuda or cuda:N, got 'bogus'\n"
 
 
 def test_generate_streams_default_model(capsys):

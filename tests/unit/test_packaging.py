@@ -115,6 +115,7 @@ def test_wheel_metadata_license_and_optional_triton(wheel):
     meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
     text = z.read(meta).decode()
     assert "License-Expression: Apache-2.0" in text
+    assert "Project-URL: Repository, https://" in text and "Project-URL: Documentation, https://" in text
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in z.namelist())
     requires = [line for line in text.splitlines() if line.startswith("Requires-Dist: triton")]
     assert requires and all("extra ==" in line for line in requires), requires

@@ -1,0 +1,33 @@
+"""The CPU default KV budget follows the model and max_num_seqs x max_model_len, within a cap."""
+
+from __future__ import annotations
+
+from draftwise.worker.config import EngineConfig
+from draftwise.worker.engine import CPU_MAX_DEFAULT_KV_BYTES, LLMEngine, cpu_default_kv_blocks
+from draftwise.worker.kv_cache import bytes_per_block
+
+
+def test_small_configuration_gets_a_small_cache():
+    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16))
+    assert engine.blocks.num_free_blocks == 4 * 256 // 16  # every sequence at full length, no more
+    per_block = bytes_per_block(engine.loaded.config, 16, engine.loaded.dtype)
+    assert engine.kv_cache.num_bytes == 64 * per_block < 16 << 20
+
+
+def test_a_draft_shares_the_budget_and_gets_as_many_blocks():
+    engine = LLMEngine(EngineConfig(max_model_len=128, max_num_seqs=2, speculative_model="default"))
+    assert engine.blocks.num_free_blocks == 2 * 128 // 16
+
+
+def test_the_default_is_capped_and_never_below_one_full_sequence():
+    per_block = 160 * 1024  # 10 KiB a token, 16 tokens a block
+    blocks = cpu_default_kv_blocks(per_block, 16, max_num_seqs=128, max_model_len=2048)
+    assert blocks * per_block <= CPU_MAX_DEFAULT_KV_BYTES and blocks == CPU_MAX_DEFAULT_KV_BYTES // per_block
+    assert cpu_default_kv_blocks(per_block, 16, max_num_seqs=2, max_model_len=100) == 2 * 7
+    huge = cpu_default_kv_blocks(1 << 30, 16, max_num_seqs=8, max_model_len=64)  # one block over the cap
+    assert huge == 4  # one sequence at full length all the same
+
+
+def test_an_explicit_budget_or_block_count_wins():
+    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=40))
+    assert engine.blocks.num_free_blocks == 40
