@@ -22,6 +22,8 @@ from tests.integration.procs import ServeProc, child_env
 from tests.integration.rpc import run_stream, start
 from tests.model.smollm2 import require_smollm2
 
+pytestmark = pytest.mark.slow  # a real 135M-parameter model, loaded three times
+
 MAX_TOKENS = 12
 PLAIN = "The capital of France is"
 ENGINE = {"max_model_len": 512, "num_kv_blocks": 64, "max_num_seqs": 64}
