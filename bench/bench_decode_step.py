@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, write_section  # noqa: E402
+from benchlib import ROOT, machine, write_section  # noqa: E402
 
 from draftwise.worker import default_model_path  # noqa: E402
 from draftwise.worker.kv_cache import KVCache  # noqa: E402

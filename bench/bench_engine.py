@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, copy_bandwidth, heldout_prompts, machine, write_section  # noqa: E402
+from benchlib import ROOT, copy_bandwidth, heldout_prompts, machine, write_section  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 

@@ -33,7 +33,7 @@ import torch
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, heldout_prompts, machine, write_section  # noqa: E402
+from benchlib import ROOT, heldout_prompts, machine, write_section  # noqa: E402
 
 from draftwise.hop import generate_secret, write_secret_file  # noqa: E402
 from draftwise.logs import configure_logging  # noqa: E402

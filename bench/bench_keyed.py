@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, heldout_prompts, machine  # noqa: E402
+from benchlib import ROOT, heldout_prompts, machine  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 from draftwise.worker import sampler as sampler_mod  # noqa: E402

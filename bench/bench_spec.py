@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, heldout_prompts, heldout_texts, machine, write_section  # noqa: E402
+from benchlib import ROOT, heldout_prompts, heldout_texts, machine, write_section  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 

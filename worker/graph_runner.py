@@ -40,8 +40,8 @@ import torch
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
 
 if TYPE_CHECKING:
+    from draftwise.worker.chunk import SequenceChunk
     from draftwise.worker.kv_cache import KVCache
-    from draftwise.worker.model_runner import SequenceChunk
     from draftwise.worker.models.llama import LlamaModel
 
 log = structlog.get_logger("draftwise.graphs")

@@ -9,28 +9,18 @@ shape and runs everything else eagerly (``draftwise.worker.graph_runner``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import torch
 
 from draftwise.kernels import AttentionMetadata, get_attention_backend
+from draftwise.worker.chunk import SequenceChunk
 from draftwise.worker.graph_runner import GraphConfig, GraphRunner, graph_unsupported_reason
 from draftwise.worker.kv_cache import KVCache
 from draftwise.worker.loader import LoadedModel
 
 log = structlog.get_logger("draftwise.runner")
-
-
-@dataclass(frozen=True)
-class SequenceChunk:
-    """One sequence's share of a forward pass."""
-
-    token_ids: Sequence[int]  # the new tokens
-    start_pos: int  # tokens of this sequence already in the KV cache
-    block_table: Sequence[int]  # KV blocks, covering start_pos + len(token_ids) tokens
-    num_logits: int = 1  # logits wanted for the last n new tokens (0: none, e.g. mid-prompt chunk)
 
 
 class ModelRunner:

@@ -50,11 +50,6 @@ class SpecStats:
         acceptance length"); 0.0 before the first round."""
         return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 0.0
 
-    @classmethod
-    def of(cls, req: Request) -> SpecStats | None:
-        st = req.spec
-        return None if st is None else cls(st.proposed, st.accepted, st.verify_steps)
-
 
 @dataclass(frozen=True)
 class CompletionOutput:
@@ -104,7 +99,7 @@ class RequestOutput:
     error: str | None = None  # why the engine failed this request (finish_reason "error"); None otherwise
 
     @classmethod
-    def of(cls, req: Request, text: str, error: str | None = None) -> RequestOutput:
+    def of(cls, req: Request, text: str, spec: SpecStats | None = None, error: str | None = None) -> RequestOutput:
         want_lp = req.sampling_params.logprobs is not None
         return cls(
             request_id=req.request_id,
@@ -118,7 +113,7 @@ class RequestOutput:
                     logprobs=list(req.output_logprobs) if want_lp else None,
                     finish_reason=None if req.finish_reason is None else req.finish_reason.value,
                     stop_reason=req.stop_reason,
-                    spec=SpecStats.of(req),
+                    spec=spec,
                 )
             ],
             finished=req.is_finished,

@@ -1,5 +1,6 @@
-"""A request owns its state: tokens, block table, progress, sampling parameters, seed,
-detokenizer and timings."""
+"""A request owns what a request is: its tokens, block table, progress, sampling parameters,
+seed and timings. Its text state belongs to the OutputProcessor, its speculation state to the
+SpecDecoder (each keyed by request id)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from draftwise.worker.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from draftwise.worker.detokenizer import IncrementalDetokenizer
     from draftwise.worker.sampler import TokenLogprobs
-    from draftwise.worker.spec.policy import RequestSpecState
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +43,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (ignored with ignore_eos)
     arrival_time: float = field(default_factory=time.monotonic)
     seed: int | None = None  # keys this request's randomness with each token's position (None for greedy)
-    detokenizer: IncrementalDetokenizer | None = None  # None when the engine runs without a tokenizer
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -57,11 +55,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # speculative decoding (None/empty when the engine or the request does not speculate)
-    spec: RequestSpecState | None = None  # policy state and counters
-    draft_block_table: list[int] = field(default_factory=list)  # the draft model's KV blocks
-    num_draft_computed: int = 0  # tokens whose draft KV is in the draft cache
-    spec_draft_ids: list[int] = field(default_factory=list)  # this step's drafted tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -138,7 +138,7 @@ def test_a_failing_detokenizer_ends_only_its_request(plain_llm):
     def explode(_tokens):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected: a detokenizer that cannot decode")
 
-    bad.detokenizer.add_tokens = explode
+    engine.output.detokenizers[bad.request_id].add_tokens = explode
     outs = _drain(engine)
     assert outs["bad"].outputs[0].finish_reason == "error"
     assert "injected" in outs["bad"].error

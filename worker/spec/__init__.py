@@ -1,16 +1,21 @@
-"""Speculative decoding: proposers (n-gram prompt lookup, ...), exact rejection sampling and
-the policy that picks k per request per step. Not yet wired into the engine."""
+"""Speculative decoding: the Proposer interface and its two proposers (a draft model, n-gram
+prompt lookup), the SpecDecoder that runs propose → verify → accept → roll back, exact
+rejection sampling, and the policy that picks k per request per step (docs/engine.md,
+"Speculative decoding")."""
 
 from __future__ import annotations
 
 from draftwise.worker.spec.ngram import NgramProposer
 from draftwise.worker.spec.policy import CostModel, PolicyConfig, RequestSpecState, SpeculationPolicy
+from draftwise.worker.spec.proposer import Proposal, Proposer
 from draftwise.worker.spec.rejection_sampler import RejectionOutput, rejection_sample
 
 __all__ = [
     "CostModel",
     "NgramProposer",
     "PolicyConfig",
+    "Proposal",
+    "Proposer",
     "RejectionOutput",
     "RequestSpecState",
     "SpeculationPolicy",

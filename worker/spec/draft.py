@@ -1,11 +1,12 @@
 """The draft-model proposer: a small model with its own weights and its own paged KV cache
 proposes k tokens for many requests at once, in batched draft steps (docs/engine.md, "Speculative decoding").
 
-Per request the draft cache holds the KV of the sequence's first ``req.num_draft_computed``
-tokens, in ``req.draft_block_table`` (blocks of this proposer's own pool). A proposal for a
-sequence of N tokens with k drafts:
+Per request the draft cache holds the KV of the sequence's first ``num_computed`` tokens, in
+the request's draft block table (blocks of this proposer's own pool; both live in the
+proposer, keyed by request id: :class:`DraftKV`). A proposal for a sequence of N tokens with
+k drafts:
 
-- step 0 (catch-up): the tokens the draft has not seen yet, ``[num_draft_computed, N)`` —
+- step 0 (catch-up): the tokens the draft has not seen yet, ``[num_computed, N)`` —
   normally one (the token the target emitted last step) or two (a fully accepted round's
   last draft plus the bonus token), the whole prompt the first time — with logits for the
   last position: q_1, then d_1 ~ q_1;
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,8 +40,9 @@ from draftwise.worker.loader import LoadedModel
 from draftwise.worker.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.request import Request
 from draftwise.worker.sampler import processed_probs, sample_from_probs
+from draftwise.worker.spec.proposer import Proposal, Proposer
 
-__all__ = ["DraftModelProposer", "DraftProposal"]
+__all__ = ["DraftKV", "DraftModelProposer"]
 
 
 def _plain_greedy(req: Request, num_drafted: int) -> bool:
@@ -56,21 +58,18 @@ def _plain_greedy(req: Request, num_drafted: int) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class DraftProposal:
-    """Drafts for a batch of requests, in the order given."""
+@dataclass
+class DraftKV:
+    """One request's share of the draft cache."""
 
-    token_ids: list[list[int]]  # per request, k_i tokens
-    probs: torch.Tensor | None  # [sum k_i, target vocab] float32: q at each drafted position, request after
-    # request (one-hot for greedy rows); None when every request is greedy (the verifier then needs no q)
-    seconds: float  # wall time of the draft steps
-    num_steps: int  # draft forward passes run
-    seconds_per_step: float | None  # mean time of the steps that ran at most 2 tokens per sequence
-    # (a catch-up over a whole prompt is prefill, not what k more draft tokens cost); None: none did
+    block_table: list[int] = field(default_factory=list)  # blocks of the proposer's pool
+    num_computed: int = 0  # tokens whose draft KV is in the cache
 
 
-class DraftModelProposer:
-    """A draft model, its KV cache and its block pool."""
+class DraftModelProposer(Proposer):
+    """A draft model, its KV cache, its block pool and each request's place in it."""
+
+    name = "draft"
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab: int) -> None:
         if loaded.config.vocab_size > target_vocab:
@@ -84,6 +83,7 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size)
         self.target_vocab = target_vocab
         self.device = loaded.device
+        self.kv: dict[str, DraftKV] = {}  # request id -> its draft KV (requests that were proposed for)
 
     @property
     def max_positions(self) -> int:
@@ -121,7 +121,7 @@ class DraftModelProposer:
         toks = sample_from_probs(q, rows, draft=True)  # greedy rows: q is one-hot, nothing is drawn
         return q, [int(t) for t in toks.tolist()]
 
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> DraftProposal:
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
         """Draft ``ks[i] >= 1`` tokens for each of ``reqs``. The draft block tables must be
         able to grow (the engine sizes the draft pool so that they always can)."""
         t0 = time.perf_counter()
@@ -129,32 +129,33 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in range(n)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
         ends = [r.num_tokens for r in reqs]
-        for r, k, end in zip(reqs, ks, ends, strict=True):
+        kvs = [self.kv.setdefault(r.request_id, DraftKV()) for r in reqs]
+        for r, k, end, kv in zip(reqs, ks, ends, kvs, strict=True):
             if k < 1:
                 raise ValueError(f"request {r.request_id}: k must be >= 1, got {k}")
-            if not self.blocks.grow(r.draft_block_table, end + k - 1):
+            if not self.blocks.grow(kv.block_table, end + k - 1):
                 raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
         chunks0 = [
-            SequenceChunk(r.token_slice(r.num_draft_computed, end), r.num_draft_computed, r.draft_block_table, 1)
-            for r, end in zip(reqs, ends, strict=True)
+            SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 1)
+            for r, end, kv in zip(reqs, ends, kvs, strict=True)
         ]
         need_q = any(not r.sampling_params.is_greedy for r in reqs)
         logits = self.runner.run(chunks0)  # [n, draft vocab]
         q, toks = self._draw(logits, reqs, drafts, need_q)
         t_first = time.perf_counter()
         for i in range(n):
-            reqs[i].num_draft_computed = ends[i]
+            kvs[i].num_computed = ends[i]
             drafts[i].append(toks[i])
             if q is not None:
                 q_rows[i].append(q[i])
         steps = 1
         for j in range(1, max(ks)):
             active = [i for i in range(n) if ks[i] > j]
-            chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j - 1, reqs[i].draft_block_table, 1) for i in active]
+            chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j - 1, kvs[i].block_table, 1) for i in active]
             logits = self.runner.run(chunks)  # [len(active), draft vocab]
             q, toks = self._draw(logits, [reqs[i] for i in active], [drafts[i] for i in active], need_q)
             for row, i in enumerate(active):
-                reqs[i].num_draft_computed = ends[i] + j
+                kvs[i].num_computed = ends[i] + j
                 drafts[i].append(toks[row])
                 if q is not None:
                     q_rows[i].append(q[row])
@@ -167,16 +168,33 @@ class DraftModelProposer:
             per_step: float | None = (t_end - t0) / steps
         else:
             per_step = (t_end - t_first) / (steps - 1) if steps > 1 else None
-        return DraftProposal(
-            token_ids=drafts, probs=probs, seconds=t_end - t0, num_steps=steps, seconds_per_step=per_step
-        )
+        return Proposal(token_ids=drafts, probs=probs, seconds=t_end - t0, step_seconds=per_step, step_batch=n)
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
         """After verification: keep the draft KV of the accepted prefix only."""
-        req.num_draft_computed = num_tokens_before + min(accepted, k - 1)
-        self.blocks.shrink(req.draft_block_table, req.num_draft_computed)
+        kv = self.kv.get(req.request_id)
+        if kv is None:
+            return
+        kv.num_computed = num_tokens_before + min(accepted, k - 1)
+        self.blocks.shrink(kv.block_table, kv.num_computed)
 
     def release(self, req: Request) -> None:
-        """Free the request's draft blocks (finished, aborted or preempted)."""
-        self.blocks.free(req.draft_block_table)
-        req.num_draft_computed = 0
+        """Free the request's draft blocks (finished, aborted, failed or preempted)."""
+        kv = self.kv.pop(req.request_id, None)
+        if kv is not None:
+            self.blocks.free(kv.block_table)
+
+    def check(self, reqs: Sequence[Request]) -> None:
+        by_id = {r.request_id: r for r in reqs}
+        stray = set(self.kv) - set(by_id)
+        if stray:
+            raise AssertionError(f"draft KV held for requests that are gone: {sorted(stray)}")
+        self.blocks.pool.check(kv.block_table for kv in self.kv.values())
+        for rid, kv in self.kv.items():
+            if kv.num_computed > by_id[rid].num_tokens:
+                raise AssertionError(f"{rid}: draft KV of {kv.num_computed} > {by_id[rid].num_tokens} tokens")
+
+    def check_idle(self) -> None:
+        self.check([])
+        if self.blocks.num_free_blocks != self.blocks.num_blocks:
+            raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} draft blocks still in use")

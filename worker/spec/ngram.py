@@ -19,7 +19,14 @@ one token always follows it: a match always proposes ``min(k, available) >= 1`` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from draftwise.worker.spec.proposer import Proposal, Proposer
+
+if TYPE_CHECKING:
+    from draftwise.worker.request import Request
 
 __all__ = ["NgramProposer"]
 
@@ -28,8 +35,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class NgramProposer:
-    """Prompt lookup: ``propose(token_ids, k)`` returns up to ``k`` draft tokens."""
+class NgramProposer(Proposer):
+    """Prompt lookup: :meth:`lookup` finds up to ``k`` draft tokens in a token list. As a
+    :class:`Proposer`, the lookup runs while scheduling (:meth:`plan`: k is what it found) and
+    :meth:`propose` hands those drafts over."""
+
+    name = "ngram"
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
         if not _is_int(prompt_lookup_min) or prompt_lookup_min < 1:
@@ -43,8 +54,48 @@ class NgramProposer:
         """Shortest suffix that may be matched."""
         self.prompt_lookup_max = prompt_lookup_max
         """Longest suffix tried first."""
+        self._found: dict[str, list[int]] = {}  # request id -> drafts found by plan, until propose
+        self._seconds = 0.0  # lookup time since the last proposal
+        self._lookups = 0  # lookups since the last proposal
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def plan(self, req: Request, k: int) -> int:
+        t0 = time.perf_counter()
+        found = self.lookup(req.all_token_ids, k)
+        self._seconds += time.perf_counter() - t0
+        self._lookups += 1
+        if found:
+            self._found[req.request_id] = found
+        else:
+            self._found.pop(req.request_id, None)
+        return len(found)
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
+        drafts = []
+        for r, k in zip(reqs, ks, strict=True):
+            found = self._found.pop(r.request_id, [])
+            if len(found) < k:
+                raise RuntimeError(f"n-gram proposer: {r.request_id} was planned {k} drafts, {len(found)} found")
+            drafts.append(found[:k])
+        seconds, lookups = self._seconds, self._lookups
+        self._seconds, self._lookups = 0.0, 0
+        # a lookup finds all of a request's drafts at once: one more drafted token costs the
+        # lookups of the step spread over the deepest k
+        return Proposal(
+            token_ids=drafts,
+            probs=None,
+            seconds=seconds,
+            step_seconds=seconds / max(ks),
+            step_batch=max(lookups, len(reqs)),
+        )
+
+    def release(self, req: Request) -> None:
+        self._found.pop(req.request_id, None)
+
+    def check_idle(self) -> None:
+        if self._found:
+            raise AssertionError(f"n-gram drafts kept for requests that are gone: {sorted(self._found)}")
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
         matching suffix (length in [prompt_lookup_min, prompt_lookup_max]) of ``token_ids``;
         ``[]`` when nothing matches or ``k == 0``.
