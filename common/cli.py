@@ -1,6 +1,6 @@
 """The ``draftwise`` command.
 
-draftwise serve [--workers 2] [--port 50051] [--model FOLDER]   # gateway + workers on this machine
+draftwise serve [--workers 2] [--port 50051] [--model FOLDER|FILE.gguf]   # gateway + workers on this machine
 draftwise serve --speculative-model default                     # ... with speculative decoding
 draftwise generate "def fibonacci(n):"                           # greedy, in-process, embedded default model
 draftwise generate "def fibonacci(n):" --server 127.0.0.1:50051  # streamed from a running server
@@ -19,7 +19,7 @@ API_KEY_ENV = "DRAFTWISE_API_KEY"
 """Environment variable holding the API key ``generate --server`` sends (unless --api-key)."""
 
 ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("--model", str, "Hugging Face checkpoint folder (default: the embedded model)"),
+    ("--model", str, "Hugging Face checkpoint folder or .gguf file (default: the embedded model)"),
     ("--model-name", str, "name clients use for it (default: draftwise-target, or the folder's name)"),
     ("--dtype", str, "float32 | bfloat16 | float16 | auto"),
     ("--device", str, "cpu | cuda | cuda:N"),
@@ -33,7 +33,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     (
         "--speculative-model",
         str,
-        "speculative decoding with this draft checkpoint folder, or 'default' (the embedded draft)",
+        "speculative decoding with this draft checkpoint folder or .gguf file, or 'default' (the embedded draft)",
     ),
     ("--speculative-method", str, "draft | ngram (default: draft when --speculative-model is given)"),
     ("--num-speculative-tokens", int, "most tokens drafted per request per step (default 5)"),
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument(
         "--model",
         default=None,
-        help="checkpoint folder (in-process; default: the embedded model) or model name (--server)",
+        help="checkpoint folder or .gguf file (in-process; default: the embedded model) or model name (--server)",
     )
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
     g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (default; in-process)")

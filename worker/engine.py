@@ -25,6 +25,7 @@ from draftwise.worker.block_manager import BlockManager
 from draftwise.worker.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.config import EngineConfig
 from draftwise.worker.continuation import check_continuation
+from draftwise.worker.gguf import is_gguf_path
 from draftwise.worker.graph_runner import GraphConfig
 from draftwise.worker.kv_cache import KVCache, bytes_per_block
 from draftwise.worker.loader import LoadedModel, load_model
@@ -86,9 +87,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         folder = Path(config.model) if config.model is not None else default_model_path("target")
         spec_model = config.speculative_model
-        if spec_model is not None and str(spec_model) != "default" and not Path(spec_model).is_dir():
+        if spec_model is not None and str(spec_model) != "default" and not _is_checkpoint(spec_model):
             # before the (possibly long) target load
-            raise ModelLoadError(f"speculative_model: {spec_model}: not a checkpoint folder (or 'default')")
+            raise ModelLoadError(
+                f"speculative_model: {spec_model}: not a checkpoint folder or .gguf file (or 'default')"
+            )
         self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
         mcfg = self.loaded.config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -645,6 +648,11 @@ class LLMEngine:
             self.spec.check_idle()
         if self.output.detokenizers:
             raise AssertionError(f"text state left: {sorted(self.output.detokenizers)}")
+
+
+def _is_checkpoint(path: str | Path) -> bool:
+    """A checkpoint folder, or a GGUF file (existing)."""
+    return Path(path).is_dir() or (Path(path).is_file() and is_gguf_path(path))
 
 
 def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:

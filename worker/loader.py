@@ -1,8 +1,9 @@
-"""Load a Hugging Face checkpoint folder into our model code.
+"""Load a Hugging Face checkpoint folder, or a GGUF file, into our model code.
 
 Single or sharded safetensors (``model.safetensors`` or ``model.safetensors.index.json``),
-tied or untied embeddings; dtype float32, bfloat16 or float16; device cpu or cuda. Every
-failure raises ``ModelLoadError`` naming the file and the problem.
+tied or untied embeddings; a ``.gguf`` file is read and dequantized by ``draftwise.worker.gguf``;
+dtype float32, bfloat16 or float16; device cpu or cuda. Every failure raises ``ModelLoadError``
+naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from draftwise.worker.gguf import gguf_config, is_gguf_path, iter_gguf_tensors, open_gguf
 from draftwise.worker.model_config import ModelConfig, ModelLoadError
 from draftwise.worker.models.llama import LlamaModel
 
@@ -35,7 +37,7 @@ class LoadedModel:
 
     model: LlamaModel
     config: ModelConfig
-    folder: Path
+    folder: Path  # the checkpoint folder, or the .gguf file
     dtype: torch.dtype
     device: torch.device
     weight_bytes: int  # bytes of parameters in memory
@@ -114,18 +116,25 @@ def load_model(
     max_positions: int | None = None,
     progress: bool | None = None,
 ) -> LoadedModel:
-    """Load ``folder`` (a Hugging Face checkpoint of a supported architecture)."""
+    """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file)."""
     folder = Path(folder)
-    if not folder.exists():
-        raise ModelLoadError(f"{folder}: model folder does not exist")
-    if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: not a folder (expected a Hugging Face checkpoint folder)")
-    cfg = ModelConfig.from_folder(folder)
+    gguf = is_gguf_path(folder)
+    if gguf:
+        ckpt = open_gguf(folder)
+        cfg = gguf_config(ckpt)
+        origin = "the GGUF metadata"
+    else:
+        if not folder.exists():
+            raise ModelLoadError(f"{folder}: model folder does not exist")
+        if not folder.is_dir():
+            raise ModelLoadError(f"{folder}: not a folder (expected a Hugging Face checkpoint folder or a .gguf file)")
+        cfg = ModelConfig.from_folder(folder)
+        origin = "config.json"
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"{folder}: device {device} requested but CUDA is not available")
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    files, weight_map = _weight_files(folder)
+    files, weight_map = ([folder], None) if gguf else _weight_files(folder)
 
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
@@ -150,16 +159,19 @@ def load_model(
         param = params[name]
         if tuple(got.shape) != tuple(param.shape):
             shapes = ", ".join(f"{s} {tuple(pending[s][1].shape)} in {pending[s][0].name}" for s in srcs)
-            raise ModelLoadError(
-                f"{folder}: wrong shape for {shapes}; config.json implies {_expected(param.shape, srcs)}"
-            )
+            raise ModelLoadError(f"{folder}: wrong shape for {shapes}; {origin} implies {_expected(param.shape, srcs)}")
         with torch.no_grad():
             param.copy_(got)
         done.add(name)
         for s in srcs:
             del pending[s]
 
-    for path, key, tensor in _iter_tensors(folder, files, weight_map, sources, progress):
+    tensors = (
+        iter_gguf_tensors(ckpt, cfg, sources, torch_dtype)
+        if gguf
+        else _iter_tensors(folder, files, weight_map, sources, progress)
+    )
+    for path, key, tensor in tensors:
         if key in owner:
             pending[key] = (path, tensor)
             place(owner[key])

@@ -1,4 +1,6 @@
-"""Tokenizer loading: Hugging Face's ``AutoTokenizer`` from the checkpoint folder, offline."""
+"""Tokenizer loading: Hugging Face's ``AutoTokenizer`` from the checkpoint folder, offline; for a
+GGUF file, transformers' GGUF conversion of the file's own vocabulary, merges, special tokens and
+chat template (``tokenizer.chat_template``), so that ``hf.apply_chat_template`` works the same for both."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftwise.worker.gguf import is_gguf_path, open_gguf
 from draftwise.worker.model_config import ModelLoadError
 
 
@@ -38,9 +41,24 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
     folder = Path(folder)
+    if is_gguf_path(folder):
+        return _load_gguf_tokenizer(folder)
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
         raise ModelLoadError(f"{folder}: no tokenizer.json (or tokenizer.model) in the model folder")
     try:
         return Tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{folder}: tokenizer could not be loaded ({e})") from None
+
+
+def _load_gguf_tokenizer(path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    ckpt = open_gguf(path)  # a clear error for a missing, truncated or foreign file
+    if "tokenizer.ggml.model" not in ckpt.metadata:
+        raise ModelLoadError(f"{path}: the GGUF file carries no tokenizer (no 'tokenizer.ggml.model' metadata)")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        raise ModelLoadError(f"{path}: tokenizer could not be built from the GGUF file ({e})") from None
+    return Tokenizer(hf)
