@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, machine, write_section  # noqa: E402
 
 from draftwise.worker import default_model_path  # noqa: E402
-from draftwise.worker.kv_cache import KVCache  # noqa: E402
-from draftwise.worker.loader import load_model  # noqa: E402
-from draftwise.worker.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
+from draftwise.worker.model.loader import load_model  # noqa: E402
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 
 
 def ours_ms(which: str, context: int, steps: int) -> float:

@@ -41,10 +41,10 @@ from draftwise.v1 import generate_service_pb2 as gspb  # noqa: E402
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc  # noqa: E402
 from draftwise.v1 import generation_pb2 as pb  # noqa: E402
 from draftwise.worker import SamplingParams, default_model_path  # noqa: E402
-from draftwise.worker.async_engine import AsyncEngine  # noqa: E402
-from draftwise.worker.config import EngineConfig  # noqa: E402
-from draftwise.worker.engine import LLMEngine  # noqa: E402
-from draftwise.worker.tokenizer import load_tokenizer  # noqa: E402
+from draftwise.worker.engine.async_engine import AsyncEngine  # noqa: E402
+from draftwise.worker.engine.config import EngineConfig  # noqa: E402
+from draftwise.worker.engine.llm_engine import LLMEngine  # noqa: E402
+from draftwise.worker.text.tokenizer import load_tokenizer  # noqa: E402
 
 T = TypeVar("T")
 NEW_TOKENS = 128
@@ -208,7 +208,7 @@ def main() -> None:
         secret = f"--internal-secret-file={write_secret_file(Path(tmp) / 'internal-secret', generate_secret())}"
         try:
             worker, wport = start(
-                ["-m", "draftwise.worker.server", "--port=0", "--log-level=warning", secret, *engine_flags],
+                ["-m", "draftwise.worker.serving.server", "--port=0", "--log-level=warning", secret, *engine_flags],
                 Path(tmp),
                 "worker",
                 env,

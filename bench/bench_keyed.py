@@ -32,10 +32,10 @@ from benchlib import ROOT, heldout_prompts, machine  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 from draftwise.worker import sampler as sampler_mod  # noqa: E402
-from draftwise.worker.keyed_random import STREAM_SAMPLE, keyed_exponential  # noqa: E402
-from draftwise.worker.kv_cache import KVCache  # noqa: E402
-from draftwise.worker.loader import load_model  # noqa: E402
-from draftwise.worker.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
+from draftwise.worker.model.loader import load_model  # noqa: E402
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+from draftwise.worker.sampling.keyed_random import STREAM_SAMPLE, keyed_exponential  # noqa: E402
 
 NUM_PROMPTS = 8
 NEW_TOKENS = 128

@@ -45,11 +45,11 @@ ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 def _generate(args: argparse.Namespace) -> int:
     from draftwise.worker import default_model_path
-    from draftwise.worker.config import EngineConfig, as_flags
-    from draftwise.worker.greedy import greedy_tokens
-    from draftwise.worker.loader import load_model
-    from draftwise.worker.model_config import ModelLoadError
-    from draftwise.worker.tokenizer import load_tokenizer
+    from draftwise.worker.engine.config import EngineConfig, as_flags
+    from draftwise.worker.model.greedy import greedy_tokens
+    from draftwise.worker.model.loader import load_model
+    from draftwise.worker.model.model_config import ModelLoadError
+    from draftwise.worker.text.tokenizer import load_tokenizer
 
     folder = args.model or default_model_path("target")
     try:
@@ -233,7 +233,7 @@ def _engine_flags_problem(args: argparse.Namespace) -> str | None:
     (a worker takes seconds to load); None when they make a valid engine configuration. Only
     the worker's configuration module is read here, which imports neither torch nor the rest
     of the worker."""
-    from draftwise.worker.config import EngineConfig, as_flags, missing_paths
+    from draftwise.worker.engine.config import EngineConfig, as_flags, missing_paths
 
     given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _t, _h in ENGINE_FLAGS}
     given = {k: v for k, v in given.items() if v is not None and k != "model_name"}
@@ -317,7 +317,7 @@ def _version() -> str:
 
 
 SELF_PARSING = {
-    "worker": ("draftwise.worker.server", "run one worker (an engine behind WorkerService): one container"),
+    "worker": ("draftwise.worker.serving.server", "run one worker (an engine behind WorkerService): one container"),
     "gateway": ("draftwise.gateway.main", "run the gateway alone, in front of --worker / --worker-dns: one container"),
 }
 """Subcommands that parse their own flags (see ``draftwise worker --help``): {name: (module, help)}."""

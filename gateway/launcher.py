@@ -1,6 +1,6 @@
 """``draftwise serve``: N worker processes and a gateway on one machine.
 
-The workers run ``python -m draftwise.worker.server`` in their own process group (a
+The workers run ``python -m draftwise.worker.serving.server`` in their own process group (a
 terminal's Ctrl-C reaches only this process, which then shuts everything down in order)
 with ``--parent-pid``, so they exit by themselves if this process dies without cleaning
 up. The gateway runs in this process: it imports neither torch nor the worker package.
@@ -72,7 +72,7 @@ def _worker_procs(cfg: ServeConfig, tmp: Path, secret_file: Path) -> list[Worker
     for i in range(cfg.num_workers):
         # -P: the current directory stays off sys.path, so a source checkout there (whose
         # draftwise/ folder lacks the worker package) cannot shadow the installed package
-        args = [sys.executable, "-P", "-m", "draftwise.worker.server", "--host", "127.0.0.1", "--port", "0"]
+        args = [sys.executable, "-P", "-m", "draftwise.worker.serving.server", "--host", "127.0.0.1", "--port", "0"]
         args += ["--internal-secret-file", str(secret_file), "--parent-pid", str(os.getpid())]
         args += ["--log-format", cfg.log_format, "--log-level", cfg.log_level, *cfg.worker_args]
         procs.append(WorkerProcess(i, args, env, tmp / f"worker-{i}.port", cfg.restart.stderr_tail_lines))

@@ -69,7 +69,7 @@ def rejection_accept(
     greedy: torch.Tensor,  # [N] bool
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [N] int64, final_token [N] int64
     """The rejection sampler's accept-and-resample step on padded tensors (see
-    :mod:`draftwise.worker.spec.rejection_sampler` for the rule and why it is exact).
+    :mod:`draftwise.worker.speculative.rejection_sampler` for the rule and why it is exact).
 
     Sampling rows accept draft ``j < k_i`` while ``u_j < p_j(x_j) / q_j(x_j)`` (``q = 0 < p``
     accepts, ``p = 0`` rejects); greedy rows while ``x_j == argmax p_j``. With ``a`` accepted,

@@ -17,9 +17,9 @@ MODELS = ROOT / "worker" / "default_models"
 
 def greedy_sample(which: str, prompt: str = "def fibonacci(n):", n: int = 48) -> str:
     from draftwise.worker import default_model_path
-    from draftwise.worker.greedy import greedy_tokens
-    from draftwise.worker.loader import load_model
-    from draftwise.worker.tokenizer import load_tokenizer
+    from draftwise.worker.model.greedy import greedy_tokens
+    from draftwise.worker.model.loader import load_model
+    from draftwise.worker.text.tokenizer import load_tokenizer
 
     folder = default_model_path(which)
     tok = load_tokenizer(folder)

@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 from draftwise.worker.paths import DEFAULT_MODELS_DIR, default_model_path
 
 if TYPE_CHECKING:
-    from draftwise.worker.llm import LLM
-    from draftwise.worker.sampling_params import SamplingParams
+    from draftwise.worker.engine.llm import LLM
+    from draftwise.worker.sampling.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "default_model_path", "DEFAULT_MODELS_DIR"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing the package stays cheap
     if name == "LLM":
-        from draftwise.worker.llm import LLM
+        from draftwise.worker.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from draftwise.worker.sampling_params import SamplingParams
+        from draftwise.worker.sampling.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'draftwise.worker' has no attribute {name!r}")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from draftwise.worker import SamplingParams
-from draftwise.worker.async_engine import AsyncEngine, EngineDeadError
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
+from draftwise.worker.engine.async_engine import AsyncEngine, EngineDeadError
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
 
 CONFIG = EngineConfig(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=16)
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

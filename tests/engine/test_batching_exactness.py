@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
-from draftwise.worker.sampling_params import SamplingParams
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.sampling.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 512
 

@@ -12,8 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from draftwise.worker import LLM, SamplingParams
-from draftwise.worker.async_engine import AsyncEngine
-from draftwise.worker.chat import ChatPrompt
+from draftwise.worker.engine.async_engine import AsyncEngine
+from draftwise.worker.text.chat import ChatPrompt
 from tests.chat_model import DROPPING_TEMPLATE, STRICT_TEMPLATE, make_chat_model
 
 ENGINE = {"max_model_len": 256, "num_kv_blocks": 64, "max_num_seqs": 8}
@@ -137,8 +137,8 @@ def test_async_engine_streams_chat_like_llm_chat(llm: LLM, chat_dir: Path) -> No
     (ref,) = llm.chat(CONV, GREEDY, use_tqdm=False)
 
     async def run() -> list[int]:
-        from draftwise.worker.config import EngineConfig
-        from draftwise.worker.engine import LLMEngine
+        from draftwise.worker.engine.config import EngineConfig
+        from draftwise.worker.engine.llm_engine import LLMEngine
 
         aengine = AsyncEngine(LLMEngine(EngineConfig(model=chat_dir, **ENGINE)))
         aengine.start()

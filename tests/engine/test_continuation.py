@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from draftwise.worker import LLM, SamplingParams
-from draftwise.worker.outputs import SpecStats
+from draftwise.worker.engine.outputs import SpecStats
 
 PROMPT = "def fibonacci(n):"
 

@@ -11,9 +11,9 @@ import torch
 from scipy import stats
 
 from draftwise.worker import LLM, SamplingParams
-from draftwise.worker.async_engine import AsyncEngine
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
+from draftwise.worker.engine.async_engine import AsyncEngine
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -192,8 +192,8 @@ def test_first_token_distribution_through_engine(llm):
     prompt = "def fibonacci(n):\n    "
     engine = llm.engine
     ids = engine.tokenizer.encode(prompt)
-    from draftwise.worker.kv_cache import KVCache
-    from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+    from draftwise.worker.model.kv_cache import KVCache
+    from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
     loaded = engine.loaded
     runner = ModelRunner(loaded, KVCache(loaded.config, 8, 16, loaded.dtype, "cpu"))
@@ -275,7 +275,7 @@ def test_library_use_logs_no_debug_lines(capfd):
 
 
 def test_speculation_config_errors(tmp_path):
-    from draftwise.worker.model_config import ModelLoadError
+    from draftwise.worker.model.model_config import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="speculative_model: .*not a checkpoint folder"):
         LLMEngine(EngineConfig(speculative_model=tmp_path / "missing"))

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftwise.worker import LLM, SamplingParams, default_model_path
-from draftwise.worker.engine import EngineDeadError, LLMEngine, is_step_fatal
+from draftwise.worker.engine.llm_engine import EngineDeadError, LLMEngine, is_step_fatal
 
 SMALL = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 16}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

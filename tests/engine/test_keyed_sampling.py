@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
-from draftwise.worker.sampling_params import SamplingParams
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.sampling.sampling_params import SamplingParams
 
 # Repetitive code: n-gram lookup finds matches, and the draft model agrees often enough.
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"

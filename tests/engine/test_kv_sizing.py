@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import CPU_MAX_DEFAULT_KV_BYTES, LLMEngine, cpu_default_kv_blocks
-from draftwise.worker.kv_cache import bytes_per_block
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import CPU_MAX_DEFAULT_KV_BYTES, LLMEngine, cpu_default_kv_blocks
+from draftwise.worker.model.kv_cache import bytes_per_block
 
 
 def test_small_configuration_gets_a_small_cache():

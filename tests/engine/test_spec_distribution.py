@@ -25,9 +25,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
-from draftwise.worker.sampling_params import SamplingParams
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.sampling.sampling_params import SamplingParams
 
 VOCAB = 4
 LENGTH = 4

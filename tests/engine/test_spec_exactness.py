@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from draftwise.worker import default_model_path
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
-from draftwise.worker.sampling_params import SamplingParams
-from draftwise.worker.tokenizer import load_tokenizer
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.text.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 512
 REPO = Path(__file__).resolve().parents[2]

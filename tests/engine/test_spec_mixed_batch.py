@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
-from draftwise.worker.sampling_params import SamplingParams
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.sampling.sampling_params import SamplingParams
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 PROMPTS = [

@@ -340,7 +340,7 @@ def check_dispatch(ctx: Ctx, rows: list[Row]) -> None:
 def _attach_stand_ins(llm: Any) -> None:
     """CPU only: give the engine's runners graph runners that run the padded static-buffer
     path eagerly, what ``enable_graphs`` captures on CUDA."""
-    from draftwise.worker.graph_runner import GraphConfig, GraphRunner
+    from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
 
     eng = llm.engine
     k = eng.config.spec_k if eng.spec_method is not None else 0
@@ -363,10 +363,10 @@ def check_replay_logits(ctx: Ctx, rows: list[Row]) -> None:
     """Every captured shape (batch bucket x query length), replayed with a step padded into
     it, against ModelRunner.run eagerly on an identical KV cache (float32 target model)."""
     from draftwise.worker import default_model_path
-    from draftwise.worker.graph_runner import GraphConfig, GraphRunner, choose_shape
-    from draftwise.worker.kv_cache import KVCache
-    from draftwise.worker.loader import load_model
-    from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+    from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner, choose_shape
+    from draftwise.worker.model.kv_cache import KVCache
+    from draftwise.worker.model.loader import load_model
+    from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
     loaded = load_model(default_model_path("target"), dtype="float32", device=ctx.device)
     n, bs, per_seq = ctx.graph_max_seqs, 16, 16  # 256 tokens of context per sequence at most
@@ -425,7 +425,7 @@ def check_replay_logits(ctx: Ctx, rows: list[Row]) -> None:
 
 def check_graphs(ctx: Ctx, rows: list[Row]) -> None:
     from draftwise.worker import LLM, SamplingParams
-    from draftwise.worker.graph_runner import batch_size_buckets
+    from draftwise.worker.model.graph_runner import batch_size_buckets
 
     buckets = batch_size_buckets(ctx.graph_max_seqs)
     sizes = sorted(set(buckets) | {b - 1 for b in buckets if b > 2})  # exactly a bucket, and padded up to one
@@ -535,10 +535,10 @@ def _time_device(ctx: Ctx, fn: Callable[[], Any], iters: int) -> float:
 
 
 def time_decode_steps(ctx: Ctx, folder: Path, rows: list[Row]) -> None:
-    from draftwise.worker.graph_runner import GraphConfig, GraphRunner
-    from draftwise.worker.kv_cache import KVCache
-    from draftwise.worker.loader import load_model
-    from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+    from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
+    from draftwise.worker.model.kv_cache import KVCache
+    from draftwise.worker.model.loader import load_model
+    from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
     dtype = "float32" if ctx.dry else "bfloat16"
     loaded = load_model(folder, dtype=dtype, device=ctx.device)

@@ -138,7 +138,15 @@ def start_workers(n: int, tmp: Path, prefix: str = "worker") -> list[Proc]:
     procs = [
         Proc(
             f"{prefix}{i}",
-            ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS],
+            [
+                "-m",
+                "draftwise.worker.serving.server",
+                "--port=0",
+                "--log-format=json",
+                *PARENT,
+                *secret_args(),
+                *ENGINE_ARGS,
+            ],
             tmp,
         )
         for i in range(n)
@@ -251,7 +259,7 @@ class ServeProc:
                     state = (d / "stat").read_text().split()[2]
                 except OSError:
                     continue
-                if b"draftwise.worker.server" in cmd and str(self.popen.pid).encode() in cmd and state != "Z":
+                if b"draftwise.worker.serving.server" in cmd and str(self.popen.pid).encode() in cmd and state != "Z":
                     out.add(int(d.name))
         return out
 

@@ -52,7 +52,15 @@ def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def chat_gateway(chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     tmp = tmp_path_factory.mktemp("chat-procs")
-    args = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS]
+    args = [
+        "-m",
+        "draftwise.worker.serving.server",
+        "--port=0",
+        "--log-format=json",
+        *PARENT,
+        *secret_args(),
+        *ENGINE_ARGS,
+    ]
     worker = Proc("chat-worker", [*args, f"--model={chat_dir}"], tmp).wait_ready()
     try:
         gateway = start_gateway_proc([worker], tmp, "chat-gateway", "--resume-retention-s=0")

@@ -51,7 +51,7 @@ def common_free_port(hosts: list[str]) -> int:
 
 
 def start_worker_at(name: str, host: str, port: int, tmp: Path) -> Proc:
-    args = ["-m", "draftwise.worker.server", f"--host={host}", f"--port={port}", "--log-format=json"]
+    args = ["-m", "draftwise.worker.serving.server", f"--host={host}", f"--port={port}", "--log-format=json"]
     return Proc(name, [*args, *PARENT, *secret_args(), *ENGINE_ARGS], tmp)
 
 

@@ -279,7 +279,7 @@ def test_a_cancelled_requests_abort_reports_prompt_tokens_and_timings(gateway, w
     """Defect 9: the ABORT event the gateway builds said prompt_tokens = 0, no timings, and
     the prompt-token metric never counted it."""
     from draftwise.worker import default_model_path
-    from draftwise.worker.tokenizer import load_tokenizer
+    from draftwise.worker.text.tokenizer import load_tokenizer
 
     text = "def cancelled(request):\n    return request.prompt_tokens  # counted\n"
     prompt = list(range(100, 137)) if kind == "token_ids" else text

@@ -149,7 +149,7 @@ def test_a_gateway_without_the_secret_cannot_use_the_workers(lone, proc_dir):
 
 def _worker(tmp_path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "draftwise.worker.server", "--port=0", *PARENT, *ENGINE_ARGS, *flags],
+        [sys.executable, "-m", "draftwise.worker.serving.server", "--port=0", *PARENT, *ENGINE_ARGS, *flags],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -173,7 +173,7 @@ def test_a_worker_refuses_to_start_without_a_secret(tmp_path):
 def test_an_insecure_worker_serves_without_a_secret(tmp_path):
     w = Proc(
         "insecure",
-        ["-m", "draftwise.worker.server", "--port=0", "--insecure-internal", *PARENT, *ENGINE_ARGS],
+        ["-m", "draftwise.worker.serving.server", "--port=0", "--insecure-internal", *PARENT, *ENGINE_ARGS],
         tmp_path,
     )
     try:

@@ -64,7 +64,7 @@ class Serve:
                     cmd = (d / "cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if b"draftwise.worker.server" in cmd and str(self.popen.pid).encode() in cmd:
+                if b"draftwise.worker.serving.server" in cmd and str(self.popen.pid).encode() in cmd:
                     out.append(int(d.name))
         return out
 

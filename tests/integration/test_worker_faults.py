@@ -22,7 +22,15 @@ LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def fault_workers(proc_dir):
-    base = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS]
+    base = [
+        "-m",
+        "draftwise.worker.serving.server",
+        "--port=0",
+        "--log-format=json",
+        *PARENT,
+        *secret_args(),
+        *ENGINE_ARGS,
+    ]
     procs = [
         Proc("fault-plain", base, proc_dir),
         Proc("fault-spec", [*base, "--speculative-model=default", "--no-speculative-adaptive"], proc_dir),

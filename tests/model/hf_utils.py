@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from draftwise.worker.kv_cache import KVCache
-from draftwise.worker.loader import load_model
-from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+from draftwise.worker.model.kv_cache import KVCache
+from draftwise.worker.model.loader import load_model
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
 TINY = dict(
     vocab_size=97,

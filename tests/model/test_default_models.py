@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from draftwise.worker import default_model_path
-from draftwise.worker.greedy import greedy_tokens
-from draftwise.worker.loader import load_model
-from draftwise.worker.tokenizer import load_tokenizer
+from draftwise.worker.model.greedy import greedy_tokens
+from draftwise.worker.model.loader import load_model
+from draftwise.worker.text.tokenizer import load_tokenizer
 from tests.model.hf_utils import compare_prefill_then_decode
 
 FILES = [

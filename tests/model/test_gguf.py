@@ -23,10 +23,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftwise.worker import LLM, SamplingParams
-from draftwise.worker.gguf import SUPPORTED_TYPES
-from draftwise.worker.loader import load_model
-from draftwise.worker.model_config import ModelLoadError
-from draftwise.worker.tokenizer import load_tokenizer
+from draftwise.worker.model.gguf import SUPPORTED_TYPES
+from draftwise.worker.model.loader import load_model
+from draftwise.worker.model.model_config import ModelLoadError
+from draftwise.worker.text.tokenizer import load_tokenizer
 from tests.model import smollm2 as smollm2_helper
 from tests.model.hf_utils import compare_prefill_then_decode
 from tests.model.smollm2 import REQUIRE_ENV, require_smollm2

@@ -48,7 +48,15 @@ class Stack:
 def start_worker(name: str, tmp: Path, extra: Sequence[str] = ()) -> Proc:
     """One worker process of the embedded default model, started the way
     ``tests.integration.procs.start_workers`` starts them (not waited for)."""
-    args = ["-m", "draftwise.worker.server", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS]
+    args = [
+        "-m",
+        "draftwise.worker.serving.server",
+        "--port=0",
+        "--log-format=json",
+        *PARENT,
+        *secret_args(),
+        *ENGINE_ARGS,
+    ]
     args.extend(extra)
     return Proc(name, args, tmp)
 

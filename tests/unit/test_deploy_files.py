@@ -26,7 +26,7 @@ from draftwise.envflags import env_actions
 from draftwise.gateway.discovery import dns_target
 from draftwise.gateway.main import build_parser as gateway_parser
 from draftwise.hop import read_secret_file
-from draftwise.worker.server import build_parser as worker_parser
+from draftwise.worker.serving.server import build_parser as worker_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -17,8 +17,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from draftwise.worker import default_model_path
-from draftwise.worker.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from draftwise.worker.tokenizer import Tokenizer
+from draftwise.worker.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from draftwise.worker.text.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
 

@@ -11,7 +11,7 @@ import pytest
 
 from draftwise.envflags import apply_env, env_actions, env_name
 from draftwise.gateway.main import build_parser as gateway_parser
-from draftwise.worker.server import build_parser as worker_parser
+from draftwise.worker.serving.server import build_parser as worker_parser
 
 
 def test_env_name() -> None:

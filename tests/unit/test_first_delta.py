@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from draftwise.worker import SamplingParams
-from draftwise.worker.config import EngineConfig
-from draftwise.worker.engine import LLMEngine
-from draftwise.worker.proto_convert import responses_from_delta
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.serving.proto_convert import responses_from_delta
 
 
 @pytest.fixture(scope="module")

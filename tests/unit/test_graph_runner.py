@@ -12,7 +12,7 @@ import torch
 
 from draftwise.kernels import get_attention_backend
 from draftwise.worker import default_model_path
-from draftwise.worker.graph_runner import (
+from draftwise.worker.model.graph_runner import (
     GraphConfig,
     GraphRunner,
     batch_size_buckets,
@@ -22,9 +22,9 @@ from draftwise.worker.graph_runner import (
     plan_batch,
     query_len_buckets,
 )
-from draftwise.worker.kv_cache import KVCache
-from draftwise.worker.loader import load_model
-from draftwise.worker.model_runner import ModelRunner, SequenceChunk
+from draftwise.worker.model.kv_cache import KVCache
+from draftwise.worker.model.loader import load_model
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
 # ---------------------------------------------------------------- buckets
 

@@ -87,8 +87,10 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_real():
     graph = _graph()
-    assert "draftwise.worker.chunk" in graph["draftwise.worker.model_runner"]
-    assert "draftwise.worker.chunk" in graph["draftwise.worker.graph_runner"]  # a type-checking import counts
+    assert "draftwise.worker.model.chunk" in graph["draftwise.worker.model.model_runner"]
+    assert (
+        "draftwise.worker.model.chunk" in graph["draftwise.worker.model.graph_runner"]
+    )  # a type-checking import counts
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 

@@ -1,4 +1,4 @@
-"""Keyed randomness (worker/keyed_random.py): a pure function of (seed, position, stream,
+"""Keyed randomness (worker/sampling/keyed_random.py): a pure function of (seed, position, stream,
 entry), equal to an independent pure-Python implementation of the construction, pinned
 values (a worker of another version or device must draw the same numbers), and the
 statistics the samplers rely on: uniform bits, Exp(1) variates, no correlation between
@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
-from draftwise.worker.keyed_random import (
+from draftwise.worker.sampling.keyed_random import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_SAMPLE,

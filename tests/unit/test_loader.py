@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftwise.worker.loader import load_model
-from draftwise.worker.model_config import ModelConfig, ModelLoadError
+from draftwise.worker.model.loader import load_model
+from draftwise.worker.model.model_config import ModelConfig, ModelLoadError
 from tests.model.hf_utils import compare_prefill_then_decode, make_checkpoint
 
 

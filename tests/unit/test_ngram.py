@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from draftwise.worker.spec.ngram import NgramProposer
+from draftwise.worker.speculative.ngram import NgramProposer
 
 
 def reference(tokens: Sequence[int], k: int, lo: int, hi: int) -> list[int]:

@@ -85,7 +85,11 @@ def test_generate_from_installed_wheel_elsewhere(wheel, tmp_path):
     # From the repository root too: no folder there shadows the installed package.
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(
-        [sys.executable, "-c", "import draftwise.worker.engine as e, draftwise.gateway.main; print(e.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import draftwise.worker.engine.llm_engine as e, draftwise.gateway.main; print(e.__file__)",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

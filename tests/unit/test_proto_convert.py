@@ -1,4 +1,4 @@
-"""Engine outputs to gRPC messages (``worker/proto_convert.py``): a speculating request's
+"""Engine outputs to gRPC messages (``worker/serving/proto_convert.py``): a speculating request's
 deltas carry its cumulative counters in ``TokenDelta.speculation``, its finished event the
 totals in ``Usage``, and a request that does not speculate carries neither; the gateway's
 metrics read what the worker writes. Speculation options map onto SamplingParams."""
@@ -10,8 +10,8 @@ import pytest
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.streams import merge_delta
 from draftwise.v1 import generation_pb2 as pb
-from draftwise.worker.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SpecStats
-from draftwise.worker.proto_convert import (
+from draftwise.worker.engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SpecStats
+from draftwise.worker.serving.proto_convert import (
     events_from_delta,
     finished_from_delta,
     responses_from_delta,

@@ -21,10 +21,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftwise.worker.keyed_random import STREAM_SAMPLE, keyed_exponential
-from draftwise.worker.sampler import Sampler, SamplingRow, processed_probs
-from draftwise.worker.sampling_params import SamplingParams
-from draftwise.worker.spec.rejection_sampler import RejectionOutput, rejection_sample
+from draftwise.worker.sampling.keyed_random import STREAM_SAMPLE, keyed_exponential
+from draftwise.worker.sampling.sampler import Sampler, SamplingRow, processed_probs
+from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.speculative.rejection_sampler import RejectionOutput, rejection_sample
 
 ALPHA = 1e-3
 """Reject "the output is distributed as p" below this p-value."""

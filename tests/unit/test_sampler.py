@@ -13,14 +13,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftwise.worker.sampler import (
+from draftwise.worker.sampling.sampler import (
     Sampler,
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
     processed_probs,
 )
-from draftwise.worker.sampling_params import SamplingParams
+from draftwise.worker.sampling.sampling_params import SamplingParams
 
 
 def row(

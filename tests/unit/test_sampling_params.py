@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from draftwise.worker.sampling_params import MAX_LOGPROBS, SamplingParams
+from draftwise.worker.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
 
 NAN, INF = math.nan, math.inf
 

@@ -3,10 +3,10 @@ chunked prefill, preemption of the newest request."""
 
 from __future__ import annotations
 
-from draftwise.worker.block_manager import BlockManager
-from draftwise.worker.request import Request, RequestStatus
-from draftwise.worker.sampling_params import SamplingParams
-from draftwise.worker.scheduler import Scheduler, SchedulerConfig
+from draftwise.worker.engine.block_manager import BlockManager
+from draftwise.worker.engine.request import Request, RequestStatus
+from draftwise.worker.engine.scheduler import Scheduler, SchedulerConfig
+from draftwise.worker.sampling.sampling_params import SamplingParams
 
 
 def _req(rid: str, prompt_len: int) -> Request:

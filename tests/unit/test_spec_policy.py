@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftwise.worker.spec.policy import CostModel, PolicyConfig, SpeculationPolicy, expected_tokens
+from draftwise.worker.speculative.policy import CostModel, PolicyConfig, SpeculationPolicy, expected_tokens
 
 
 def test_expected_tokens():

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from draftwise.kernels import dispatch, reference, triton_ops
-from draftwise.worker.keyed_random import STREAM_ACCEPT, STREAM_SAMPLE, keyed_exponential, keyed_uniform
-from draftwise.worker.spec.rejection_sampler import RejectionOutput, rejection_sample
+from draftwise.worker.sampling.keyed_random import STREAM_ACCEPT, STREAM_SAMPLE, keyed_exponential, keyed_uniform
+from draftwise.worker.speculative.rejection_sampler import RejectionOutput, rejection_sample
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 
@@ -118,7 +118,7 @@ def test_rms_norm_matches_twin(hidden: int, with_residual: bool, dtype: torch.dt
 
 def test_model_rms_norm_runs_the_registered_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model's RMSNorm module resolves its op through the dispatch point at ``bind``."""
-    from draftwise.worker.models.llama import RMSNorm
+    from draftwise.worker.model.llama import RMSNorm
 
     monkeypatch.setattr(dispatch, "_FAST", {})
     dispatch.register("rms_norm", DEVICE.type, "triton", triton_ops.rms_norm)

@@ -1,0 +1,58 @@
+"""Continuations: a request resubmitted with the output it already has (gateway failover).
+
+``check_continuation`` validates the tokens against the request (ValueError with a message a
+person can act on); ``add_spec_counters`` carries the earlier speculation counters over."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftwise.worker.engine.outputs import SpecStats
+    from draftwise.worker.sampling.sampling_params import SamplingParams
+    from draftwise.worker.speculative.policy import RequestSpecState
+
+
+def check_continuation(
+    continuation: Sequence[int],
+    vocab_size: int,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    max_tokens: int,
+    eos_token_ids: Sequence[int],
+    params: SamplingParams,
+) -> list[int]:
+    """``continuation`` as a list, or ValueError when it is not a possible unfinished output of
+    the request: ids out of range, too long for the context or max_tokens, or containing a token
+    that would have ended the request (EOS, a stop token id)."""
+    ids = list(continuation)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"continuation token ids must be integers in [0, {vocab_size}), got {t!r}")
+    if not ids:
+        return ids
+    if num_prompt_tokens + len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + continuation ({len(ids)} tokens) must be shorter than "
+            f"max_model_len={max_model_len} to leave room for output"
+        )
+    if len(ids) >= max_tokens:
+        raise ValueError(
+            f"continuation is already finished: its {len(ids)} tokens reach max_tokens={max_tokens}; "
+            "nothing is left to generate"
+        )
+    stops = set(eos_token_ids) | set(params.stop_token_ids)
+    for i, t in enumerate(ids):
+        if t in stops:
+            what = "a stop token id" if t in params.stop_token_ids else "EOS"
+            raise ValueError(f"continuation is already finished: token {i} ({t}) is {what}, which ends the request")
+    return ids
+
+
+def add_spec_counters(state: RequestSpecState, earlier: SpecStats) -> None:
+    """Add the counters of the output so far to a fresh request's speculation state (they are
+    reported cumulatively; the policy's acceptance window starts afresh)."""
+    state.proposed += earlier.proposed
+    state.accepted += earlier.accepted
+    state.verify_steps += earlier.verify_steps

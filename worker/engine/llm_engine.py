@@ -1,0 +1,684 @@
+"""The engine: requests in, one batched forward pass per ``step()``, token deltas out.
+
+engine = LLMEngine(EngineConfig())
+engine.add_request("a", "def fibonacci(n):", SamplingParams(max_tokens=32))
+while engine.has_unfinished_requests():
+    out = engine.step()   # StepOutput: deltas, finished, stats
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+import torch
+
+from draftwise.logs import ensure_logging
+from draftwise.worker.engine.block_manager import BlockManager
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.continuation import check_continuation
+from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
+from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
+from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from draftwise.worker.model.gguf import is_gguf_path
+from draftwise.worker.model.graph_runner import GraphConfig
+from draftwise.worker.model.kv_cache import KVCache, bytes_per_block
+from draftwise.worker.model.loader import LoadedModel, load_model
+from draftwise.worker.model.model_config import ModelLoadError
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
+from draftwise.worker.paths import default_model_path
+from draftwise.worker.sampling.sampler import Sampler, TokenLogprobs
+from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.speculative.decoder import SpecDecoder, load_draft
+from draftwise.worker.speculative.draft import DraftModelProposer
+from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
+from draftwise.worker.text.output_processor import OutputProcessor
+from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
+
+log = structlog.get_logger("draftwise.engine")
+
+CPU_MAX_DEFAULT_KV_BYTES = 1 << 30
+"""The CPU default KV budget: enough for max_num_seqs sequences at max_model_len tokens, but
+at most this and at most CPU_MAX_DEFAULT_KV_SHARE of the machine's memory."""
+CPU_MAX_DEFAULT_KV_SHARE = 1 / 8
+DEFAULT_CHUNKED_BATCH_TOKENS = 2048
+
+_FATAL_MARKERS = (
+    "out of memory",
+    "cuda error",
+    "cublas",
+    "cudnn",
+    "device-side assert",
+    "illegal memory access",
+    "nccl",
+    "hip error",
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an error that poisons the whole step (device error, out of memory, a
+    broken invariant) and stopped: every request on it is lost; the process should exit so
+    that a supervisor replaces it."""
+
+
+def is_step_fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` poisons the whole step rather than one request's rows: out of memory
+    and device errors (after which the device state cannot be trusted)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError | EngineDeadError):
+        return True
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _FATAL_MARKERS)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, with chunked prefill and preemption."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        ensure_logging()
+        self.config = config = config or EngineConfig()
+        folder = Path(config.model) if config.model is not None else default_model_path("target")
+        spec_model = config.speculative_model
+        if spec_model is not None and str(spec_model) != "default" and not _is_checkpoint(spec_model):
+            # before the (possibly long) target load
+            raise ModelLoadError(
+                f"speculative_model: {spec_model}: not a checkpoint folder or .gguf file (or 'default')"
+            )
+        self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
+        mcfg = self.loaded.config
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={mcfg.max_position_embeddings}"
+            )
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
+        self.eos_token_ids = _eos_ids(folder, mcfg.eos_token_ids, self.tokenizer)
+        self.chat_template = ChatTemplate(self.tokenizer) if self.tokenizer is not None else None
+        self.max_prompt_bytes: int | None = None  # text prompts longer than this cannot fit: refused untokenized
+        if self.tokenizer is not None:
+            # x2: normalizers may shrink text (NFKC), so a token can stand for more input than it decodes to
+            self.max_prompt_bytes = self.max_model_len * max(self.tokenizer.max_token_bytes(), 4) * 2
+
+        max_batched = config.max_num_batched_tokens or (
+            DEFAULT_CHUNKED_BATCH_TOKENS if config.enable_chunked_prefill else self.max_model_len
+        )
+        if not config.enable_chunked_prefill and max_batched < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                f"({self.max_model_len}) so that every prompt fits in one step"
+            )
+        if max_batched < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs ({config.max_num_seqs}): "
+                "every running request needs at least one token per step"
+            )
+        draft = load_draft(config, self.loaded, self.max_model_len)
+        num_blocks = self._num_kv_blocks(max_batched, draft)
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
+                f"max_model_len={self.max_model_len}: raise the KV budget or lower max_model_len"
+            )
+        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device)
+        self.runner = ModelRunner(self.loaded, self.kv_cache)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.spec: SpecDecoder | None = SpecDecoder.build(
+            config, draft, mcfg.vocab_size, num_blocks, self.blocks, self.max_model_len, is_step_fatal
+        )
+        self.spec_method: str | None = None if self.spec is None else self.spec.method
+        self.graph_capture_seconds = self._capture_graphs(max_batched)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.blocks,
+            on_release=None if self.spec is None else self.spec.release,
+        )
+        self.sampler = Sampler()
+        self.output = OutputProcessor(self.tokenizer, self.max_model_len, self._finish, self._spec_stats)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._pending: list[tuple[RequestDelta, RequestOutput]] = []  # aborts, reported next step
+        self._deltas: list[RequestDelta] = []  # the current step's
+        self._finished: list[RequestOutput] = []
+        self.dead: str | None = None  # why the engine stopped (EngineDeadError); None while it runs
+        self.num_steps = 0
+        self.num_request_errors = 0  # requests the engine failed on their own (the others went on)
+        log.info(
+            "kv cache ready",
+            blocks=num_blocks,
+            block_size=config.block_size,
+            capacity_tokens=capacity,
+            kv_mib=round(self.kv_cache.num_bytes / 2**20, 1),
+            weights_mib=round(self.loaded.weight_bytes / 2**20, 1),
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=max_batched,
+            attention_backend=self.runner.backend.name,
+            speculation=self.spec_method,
+        )
+
+    # ------------------------------------------------------------------ sizing
+
+    def _capture_graphs(self, max_batched: int) -> float:
+        """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
+        steps (1 + k tokens per request) and of the draft's propose steps (a catch-up of 1 or
+        2 tokens, then 1), for batch-size buckets up to max_num_seqs, all in one memory pool
+        (docs/kernels.md). Returns the seconds capture took (0.0: none)."""
+        cfg = self.config
+        if self.loaded.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        k = cfg.spec_k if self.spec_method is not None else 0
+        target = self.runner.enable_graphs(
+            GraphConfig.for_steps(cfg.max_num_seqs, 1 + k, max_batched, self.max_model_len), pool, cfg.enforce_eager
+        )
+        draft = None
+        if self.proposer is not None:
+            draft = self.proposer.runner.enable_graphs(
+                GraphConfig.for_steps(cfg.max_num_seqs, 2, max_batched, self.max_model_len), pool, cfg.enforce_eager
+            )
+        seconds = time.perf_counter() - t0
+        log.info(
+            "cuda graph capture",
+            seconds=round(seconds, 2),
+            target_graphs=target.num_graphs if target else 0,
+            draft_graphs=draft.num_graphs if draft else 0,
+            enforce_eager=cfg.enforce_eager,
+        )
+        return seconds if target or draft else 0.0
+
+    @property
+    def proposer(self) -> DraftModelProposer | None:
+        """The draft-model proposer, when speculating with one (its runner, its KV pool)."""
+        p = None if self.spec is None else self.spec.proposer
+        return p if isinstance(p, DraftModelProposer) else None
+
+    @property
+    def spec_totals(self) -> dict[str, float]:
+        """Speculation counters of the engine's lifetime (proposed, accepted, verify_steps,
+        draft_seconds); zeros without speculation."""
+        if self.spec is None:
+            return {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
+        return self.spec.totals
+
+    def _num_kv_blocks(self, max_batched: int, draft: LoadedModel | None = None) -> int:
+        """Blocks for the target's KV pool; with a draft model, the draft's pool gets as many
+        blocks of the same size, and both come out of the one budget."""
+        cfg = self.config
+        per_block = bytes_per_block(self.loaded.config, cfg.block_size, self.loaded.dtype)
+        if draft is not None:
+            per_block += bytes_per_block(draft.config, cfg.block_size, draft.dtype)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.loaded.device.type == "cuda":
+            budget = self._cuda_kv_budget(max_batched)
+        else:
+            return cpu_default_kv_blocks(per_block, cfg.block_size, cfg.max_num_seqs, self.max_model_len)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
+        return int(blocks)
+
+    def _cuda_kv_budget(self, max_batched: int) -> int:
+        """gpu_memory_utilization of the device, less the weights and the activation peak of
+        a profiling forward pass of ``max_batched`` tokens."""
+        dev = self.loaded.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        n = min(max_batched, self.max_model_len)
+        probe = KVCache(
+            self.loaded.config, -(-n // self.config.block_size), self.config.block_size, self.loaded.dtype, dev
+        )
+        ModelRunner(self.loaded, probe).run([SequenceChunk([0] * n, 0, list(range(probe.num_blocks)))])
+        torch.cuda.synchronize(dev)
+        activations = torch.cuda.max_memory_allocated(dev) - before - probe.num_bytes
+        del probe
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(dev)
+        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - activations
+        log.info(
+            "cuda memory profile", total_mib=total >> 20, activations_mib=activations >> 20, kv_budget_mib=budget >> 20
+        )
+        return budget
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        continuation: Sequence[int] = (),
+        continuation_spec: SpecStats | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError (touching nothing) for a bad one,
+        EngineDeadError once the engine has stopped.
+
+        ``continuation``: output tokens the request already has (a failover resubmission).
+        They become its first output tokens, prefilled with the prompt, and count for
+        max_tokens, min_tokens, penalties and stop checks; the detokenizer reads them without
+        releasing text; the first delta has first_token_index = len(continuation).
+        ``continuation_spec``: their speculation counters, added to the request's own."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str) and prompt_token_ids is not None:  # tokenized already (encode_prompt)
+            text, ids = prompt, list(prompt_token_ids)
+        else:
+            text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len} "
+                "to leave room for output"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        cont = check_continuation(
+            continuation, self.loaded.config.vocab_size, len(ids), self.max_model_len, max_tokens, eos_ids, params
+        )
+        self.output.add(request_id, ids, params, cont)  # ValueError: touches nothing else
+        seed = None  # keys the request's randomness with each token's position
+        if not params.is_greedy:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=eos_ids,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            seed=seed,
+        )
+        if cont:
+            req.output_token_ids.extend(cont)
+            if params.logprobs is not None:  # not known here: the client has them already
+                req.output_logprobs.extend([None] * len(cont))
+        if self.spec is not None and params.use_speculation:
+            self.spec.add(req, params.max_speculative_tokens, continuation_spec)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        log.debug(
+            "request added",
+            request_id=request_id,
+            prompt_tokens=len(ids),
+            max_tokens=max_tokens,
+            continuation_tokens=len(cont),
+        )
+        return req
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Tokenize a text prompt; ValueError for one that is empty or too long. A prompt whose
+        byte length alone shows it cannot fit in max_model_len is refused without tokenizing.
+        Touches no engine state, so callers may run it off the engine thread (AsyncEngine does)."""
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+        size = len(prompt.encode("utf-8", errors="surrogatepass"))
+        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+            raise ValueError(
+                f"prompt is {size} bytes, more than can fit in max_model_len={self.max_model_len} tokens "
+                f"(at most {self.max_prompt_bytes} bytes of text)"
+            )
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, prompt: ChatPrompt) -> RenderedChat:
+        """Render chat messages with the model's chat template and tokenize them; ValueError
+        for no template, a bad conversation or one too long. Off-thread safe, as encode_prompt."""
+        if self.chat_template is None:
+            raise ValueError("chat messages need a tokenizer (the engine runs with skip_tokenizer_init)")
+        return self.chat_template.encode(prompt, self.max_model_len, self.max_prompt_bytes)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.encode_prompt(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final delta comes with the next step.
+        False if no such request is unfinished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        delta = self.output.closing_delta(req)
+        final = delta.final
+        assert final is not None
+        self._forget(req)
+        self._pending.append((delta, final))
+        log.info("request aborted", request_id=request_id, output_tokens=len(req.output_token_ids))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> StepOutput:
+        """One engine step. An error that belongs to one request finishes that request
+        (finish_reason "error") and the step goes on for the others; anything else (out of
+        memory, a device error, a broken invariant) raises EngineDeadError, after which the
+        engine refuses all work."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        try:
+            return self._step()
+        except BaseException as e:
+            self.dead = f"{type(e).__name__}: {e}"
+            log.error("engine step failed; the engine stops", error=self.dead, exc_info=True)
+            if isinstance(e, EngineDeadError):
+                raise
+            raise EngineDeadError(f"the engine stopped after a step-wide error: {self.dead}") from e
+
+    def _step(self) -> StepOutput:
+        """schedule -> propose -> run -> sample / verify -> process (outputs come out of the
+        last two through the OutputProcessor, in ``_emit``)."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        self._deltas, self._finished = [d for d, _ in pending], [o for _, o in pending]
+        spec = self.spec
+        # schedule (a decoding request may get draft positions to verify)
+        sched = self.scheduler.schedule(None if spec is None else spec.lookahead(len(self.scheduler.running)))
+        scheduled = sched.scheduled
+        if spec is not None and spec.doomed:  # requests whose own planning failed (their n-gram lookup, ...)
+            doomed, spec.doomed = spec.doomed, []
+            for req, err in doomed:
+                self._fail(req, err)
+            scheduled = [s for s in scheduled if not s.request.is_finished]
+        counts = (0, 0)
+        if scheduled:
+            # propose
+            verifying = [s for s in scheduled if s.num_draft_tokens]
+            draft_q: dict[str, torch.Tensor | None] = {}
+            if verifying:
+                assert spec is not None
+                draft_q = spec.propose(verifying, self._fail)
+                scheduled = [s for s in scheduled if not s.request.is_finished]
+            now = time.monotonic()
+            for s in scheduled:
+                if s.request.first_scheduled_time is None:
+                    s.request.first_scheduled_time = now
+            pure = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
+            num_tokens = sum(s.num_new_tokens for s in scheduled)
+            t_run = time.perf_counter()
+            # run
+            scheduled, logits = self._run_contained(scheduled)  # [sum of num_logits, vocab]
+            plain, verify = self._logit_rows(scheduled)
+            # sample / verify, and process the tokens into outputs
+            if plain:
+                self._sample_plain(logits, plain)
+            if verify:
+                assert spec is not None
+                counts = spec.verify(logits, verify, draft_q, self._emit, self._fail)
+            if spec is not None and pure:
+                # a pure decode/verify step: its cost (forward, sampling or verification, outputs)
+                # feeds the speculation policy; the proposer's share is recorded by the SpecDecoder
+                spec.policy.costs.record_target(num_tokens, time.perf_counter() - t_run)
+        self.num_steps += 1
+        stats = StepStats(
+            num_scheduled=len(scheduled),
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(sched.preempted),
+            num_free_blocks=self.blocks.num_free_blocks,
+            step_time=time.perf_counter() - t0,
+            num_spec_proposed=counts[0],
+            num_spec_accepted=counts[1],
+        )
+        out = StepOutput(deltas=self._deltas, finished=self._finished, stats=stats)
+        self._deltas, self._finished = [], []
+        return out
+
+    # ------------------------------------------------------------------ run
+
+    def _run_contained(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """The forward pass; when it fails, each sequence runs alone to find the ones that
+        fail by themselves (finished with their error), and the rest run again together.
+        Rerunning is safe: a forward pass only writes KV at positions not yet counted."""
+        try:
+            return scheduled, self.runner.run([self._chunk(s) for s in scheduled])
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            first = e
+        log.warning("forward pass failed; isolating", error=repr(first), sequences=len(scheduled))
+        survivors = []
+        for s in scheduled:
+            try:
+                self.runner.run([self._chunk(s)])
+                survivors.append(s)
+            except Exception as e:
+                if is_step_fatal(e):
+                    raise
+                self._fail(s.request, e)
+        if not survivors:
+            return [], torch.empty(0)
+        if len(survivors) == len(scheduled):  # no sequence fails alone: the batch itself is broken
+            raise EngineDeadError(f"the forward pass fails for the batch but for no sequence alone: {first!r}")
+        return survivors, self.runner.run([self._chunk(s) for s in survivors])
+
+    def _chunk(self, s: ScheduledRequest) -> SequenceChunk:
+        r = s.request
+        start = r.num_computed_tokens
+        if s.num_draft_tokens:
+            assert self.spec is not None
+            drafts = self.spec.draft_tokens(r)
+            return SequenceChunk(r.token_slice(start, start + 1) + drafts, start, r.block_table, 1 + s.num_draft_tokens)
+        return SequenceChunk(
+            r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
+        )
+
+    @staticmethod
+    def _logit_rows(
+        scheduled: list[ScheduledRequest],
+    ) -> tuple[list[tuple[Request, int]], list[tuple[ScheduledRequest, int]]]:
+        """Which logits rows are whose: (request, row) of those that sample one token, and
+        (request, first row) of those verifying drafts. The first kind's computed tokens move
+        on here; a verifying request's move on when its drafts are accepted."""
+        plain: list[tuple[Request, int]] = []
+        verify: list[tuple[ScheduledRequest, int]] = []
+        row = 0
+        for s in scheduled:
+            if s.num_draft_tokens:
+                verify.append((s, row))
+                row += 1 + s.num_draft_tokens
+                continue
+            samples = s.samples  # before num_computed_tokens moves
+            s.request.num_computed_tokens += s.num_new_tokens
+            if samples:
+                plain.append((s.request, row))
+                row += 1
+        return plain, verify
+
+    # ------------------------------------------------------------------ sample
+
+    def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[Request, int]]) -> None:
+        reqs = [r for r, _ in plain]
+        rows = [r.sampling_row() for r in reqs]
+        idx = [i for _, i in plain]
+        if idx != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(idx, device=logits.device)]
+        try:
+            out = self.sampler(logits, rows)
+            results = list(zip(reqs, out.token_ids, out.logprobs, strict=True))
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            log.warning("sampling failed for the batch; isolating", error=repr(e), rows=len(rows))
+            results = []
+            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+                try:
+                    one = self.sampler(logits[i : i + 1], [row])
+                    results.append((r, one.token_ids[0], one.logprobs[0]))
+                except Exception as e1:
+                    if is_step_fatal(e1):
+                        raise
+                    self._fail(r, e1)
+        for r, tok, lp in results:
+            self._emit(r, [tok], [lp])
+
+    # ------------------------------------------------------------------ process
+
+    def _emit(self, r: Request, tokens: list[int], lps: list[TokenLogprobs | None]) -> RequestDelta | None:
+        """Append ``tokens`` to ``r`` and report them; None when that failed (``r`` is then
+        finished with its error, its unsent tokens dropped)."""
+        sent = len(r.output_token_ids)
+        try:
+            delta = self.output.append(r, tokens, lps)
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            del r.output_token_ids[sent:]
+            del r.output_logprobs[sent:]
+            self._fail(r, e)
+            return None
+        if delta.finished:
+            final = self.output.final(r)
+            delta = dataclasses.replace(delta, final=final)
+            self._finished.append(final)
+            self._forget(r)
+        self._deltas.append(delta)
+        return delta
+
+    def _fail(self, req: Request, err: BaseException) -> None:
+        """Finish ``req`` because of an error of its own: its blocks go back, and its final
+        delta (finish_reason "error") carries the reason. The other requests go on."""
+        if req.is_finished:
+            return
+        message = f"{type(err).__name__}: {err}"
+        log.error("request failed in the engine", request_id=req.request_id, error=message, exc_info=err)
+        self.num_request_errors += 1
+        self._finish(req, FinishReason.ERROR)
+        error = f"the engine failed this request ({message}); other requests were not affected"
+        delta = self.output.closing_delta(req, error)
+        assert delta.final is not None
+        self._finished.append(delta.final)
+        self._deltas.append(delta)
+        self._forget(req)
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """``req`` is finished: out of the queues, its blocks freed."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finish_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
+        log.debug(
+            "request finished",
+            request_id=req.request_id,
+            reason=reason.value,
+            output_tokens=len(req.output_token_ids),
+            preemptions=req.num_preemptions,
+        )
+
+    def _forget(self, req: Request) -> None:
+        """``req``'s final output is built: its text and speculation state go."""
+        self.output.forget(req)
+        if self.spec is not None:
+            self.spec.forget(req)
+
+    def _spec_stats(self, req: Request) -> SpecStats | None:
+        return None if self.spec is None else self.spec.stats(req)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Every block (target pool, and the draft pool with a draft model) is owned once by
+        the request holding it, or free; speculation and text state only for unfinished
+        requests (tests call this)."""
+        reqs = [*self.scheduler.running, *self.scheduler.waiting]
+        self.blocks.pool.check(r.block_table for r in reqs)
+        if self.spec is not None:
+            self.spec.check(reqs)
+        stray = set(self.output.detokenizers) - {r.request_id for r in reqs}
+        if stray:
+            raise AssertionError(f"text state kept for requests that are gone: {sorted(stray)}")
+
+    def check_idle_invariants(self) -> None:
+        """With no request left, every block of every pool must be free and no per-request
+        state left (tests call this)."""
+        if self.scheduler.num_unfinished:
+            raise AssertionError(f"{self.scheduler.num_unfinished} requests unfinished")
+        self.blocks.pool.check([])
+        if self.blocks.num_free_blocks != self.blocks.num_blocks:
+            raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} target blocks still in use")
+        if self.spec is not None:
+            self.spec.check_idle()
+        if self.output.detokenizers:
+            raise AssertionError(f"text state left: {sorted(self.output.detokenizers)}")
+
+
+def _is_checkpoint(path: str | Path) -> bool:
+    """A checkpoint folder, or a GGUF file (existing)."""
+    return Path(path).is_dir() or (Path(path).is_file() and is_gguf_path(path))
+
+
+def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """End-of-sequence ids: config.json, generation_config.json and the tokenizer, together."""
+    ids = set(from_config)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            eos = None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def cpu_default_kv_blocks(per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """KV blocks on CPU when no budget is given: every one of ``max_num_seqs`` sequences at
+    ``max_model_len`` tokens, within CPU_MAX_DEFAULT_KV_BYTES and CPU_MAX_DEFAULT_KV_SHARE of the
+    machine's memory, and never less than one sequence at full length."""
+    per_seq = -(-max_model_len // block_size)
+    cap = CPU_MAX_DEFAULT_KV_BYTES
+    with contextlib.suppress(ValueError, OSError):  # without sysconf: the fixed cap alone
+        cap = min(cap, int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_MAX_DEFAULT_KV_SHARE))
+    return max(per_seq, min(max_num_seqs * per_seq, cap // per_block))

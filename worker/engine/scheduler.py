@@ -1,0 +1,175 @@
+"""Token-budget scheduling (docs/engine.md, "Scheduling").
+
+Every request asks, each step, for the tokens it still has to compute: a chunk of its
+prompt, the one token it sampled last step, or (after a preemption) everything again. The
+scheduler serves running requests first, oldest first, then admits waiting ones first come,
+first served, within ``max_num_batched_tokens`` and ``max_num_seqs``. When blocks run out,
+the newest running request gives its blocks back and goes to the front of the queue, to be
+recomputed later: nothing is lost.
+
+With speculative decoding, a running request in decode (one uncomputed token) may also be
+given ``k`` draft positions to verify: ``lookahead(request, batch_size)`` says how many it
+wants; they count in the token budget and in the request's blocks, and are dropped rather
+than preempting anyone when blocks are short.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from draftwise.worker.engine.block_manager import BlockManager
+from draftwise.worker.engine.request import Request, RequestStatus
+
+log = structlog.get_logger("draftwise.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits."""
+
+    max_num_seqs: int = 128  # requests in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step
+    enable_chunked_prefill: bool = True  # split prompts across steps to fit the token budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens on (drafts included)
+    num_draft_tokens: int = 0  # of which draft tokens to verify (speculative decoding)
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the sequence, so it yields logits for a new token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids sent back to the queue
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        on_release: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.on_release = on_release  # called whenever a request's blocks are freed (draft KV goes too)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of the queues and free its blocks (finished or aborted)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req.block_table)
+        if self.on_release is not None:
+            self.on_release(req)
+
+    def schedule(self, lookahead: Callable[[Request, int], int] | None = None) -> SchedulerOutput:
+        """The next step's batch. ``lookahead(request, batch_size)``: draft tokens a decoding
+        request wants verified this step (speculative decoding; None: none)."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self._reserve(req, n, out):
+                break  # req itself was preempted: it was the newest, nothing follows it
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+        if lookahead is not None and budget > 0 and not out.preempted:
+            budget = self._add_drafts(out, budget, lookahead)
+        if out.preempted:
+            return out  # memory is short: admit nobody this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_uncomputed_tokens
+            if not self.config.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Request, int], int]) -> int:
+        """Give decoding requests their draft positions, oldest first, while budget and free
+        blocks last (drafts never preempt anyone). Returns the budget left."""
+        batch_size = len(self.running)
+        for idx, s in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            req = s.request
+            if s.num_new_tokens != 1 or req.num_uncomputed_tokens != 1:
+                continue
+            k = min(lookahead(req, batch_size), budget)
+            if k > 0 and self.blocks.grow(req.block_table, req.num_computed_tokens + 1 + k):
+                out.scheduled[idx] = ScheduledRequest(req, 1 + k, k)
+                budget -= k
+        return budget
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Grow ``req``'s blocks for ``n`` more tokens, preempting the newest running
+        requests as needed. False when ``req`` itself had to be preempted."""
+        while not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        log.info("preempted", request_id=req.request_id, tokens=req.num_tokens, free_blocks=self.blocks.num_free_blocks)

@@ -1,0 +1,88 @@
+"""What a speculative proposer is: the interface the SpecDecoder drives.
+
+A proposer guesses the next tokens of decoding requests; the target verifies the guesses in
+its own forward pass and exact rejection sampling keeps what the target would have sampled
+(docs/engine.md, "Speculative decoding"). Two are built in: a draft model with its own paged
+KV cache (:mod:`draftwise.worker.speculative.draft`) and n-gram prompt lookup
+(:mod:`draftwise.worker.speculative.ngram`); Medusa heads or a suffix cache would be further ones.
+
+Invariants every proposer keeps:
+
+- **It reads, never writes, requests.** It may read a request's tokens (prompt + output),
+  ``num_tokens`` and sampling parameters; the request's fields are the engine's.
+- **It owns its per-request state** (draft KV blocks and how far they reach, drafts found
+  while planning), keyed by request id, and frees it in :meth:`Proposer.release`, which the
+  SpecDecoder calls whenever the target's blocks of a request are freed (finished, aborted,
+  failed, preempted) or the request stops speculating.
+- **k = 0 is not a call.** :meth:`Proposer.plan` is asked with ``k >= 1`` and may answer 0 (this
+  request gets no drafts this step); :meth:`Proposer.propose` only sees requests whose plan was
+  ``>= 1`` and returns exactly that many tokens for each.
+- **Rolling back** is :meth:`Proposer.settle`: after verification it keeps what belongs to the
+  accepted prefix and forgets the rest, so that the next proposal continues from the tokens
+  the request really has.
+- **Failure** is an exception; the SpecDecoder then releases the requests involved and retries
+  them one by one, so a proposer must come out of a failed call with every request releasable.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from draftwise.worker.engine.request import Request
+
+__all__ = ["Proposal", "Proposer"]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafts for a batch of requests, in the order given."""
+
+    token_ids: list[list[int]]  # per request, exactly the k it was planned
+    probs: torch.Tensor | None  # [sum k, target vocab] float32: q at each drafted position, request after
+    # request; None: the verifier takes q one-hot at each drafted token (n-gram; an all-greedy batch)
+    seconds: float  # wall time spent proposing (planning included)
+    step_seconds: float | None  # cost of one more drafted token for ``step_batch`` requests, for the
+    # speculation policy's cost model; None: nothing representative was measured
+    step_batch: int  # requests that cost covers
+
+
+class Proposer(ABC):
+    """Proposes draft tokens for decoding requests (see the module docstring's invariants)."""
+
+    name: str
+    """``"draft"`` or ``"ngram"``: how ListModels and the logs name the method."""
+
+    def can_draft(self, req: Request) -> bool:  # noqa: ARG002 - proposers that read every token
+        """Whether this proposer can read every token of ``req``; a request it cannot is not
+        speculated any more (the SpecDecoder switches it off and releases it)."""
+        return True
+
+    def plan(self, req: Request, k: int) -> int:  # noqa: ARG002 - proposers that can always draft k
+        """At scheduling: how many tokens (0..k, ``k >= 1``) this proposer will draft for ``req``
+        this step; the scheduler reserves that many positions. A proposer that needs the
+        drafts to know (n-gram lookup) finds them here and keeps them for :meth:`propose`."""
+        return k
+
+    @abstractmethod
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
+        """Draft ``ks[i] >= 1`` tokens for each of ``reqs`` (the values :meth:`plan` returned)."""
+
+    def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:  # noqa: B027
+        """After verification of ``k`` drafts of which ``accepted`` were kept, for a request
+        that had ``num_tokens_before`` tokens: keep only the state of the accepted prefix."""
+
+    def release(self, req: Request) -> None:  # noqa: B027 - stateless proposers keep nothing
+        """Forget everything about ``req`` and free what it held."""
+
+    def check(self, reqs: Sequence[Request]) -> None:  # noqa: B027 - nothing to check without state
+        """Raise AssertionError when the per-request state is inconsistent with ``reqs`` (the
+        unfinished requests); tests call it through the engine's ``check_invariants``."""
+
+    def check_idle(self) -> None:  # noqa: B027
+        """Raise AssertionError when state is left with no request unfinished."""
