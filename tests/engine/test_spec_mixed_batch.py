@@ -71,9 +71,15 @@ def alone() -> dict[str, list[int]]:
 @pytest.fixture(scope="module", params=["draft", "ngram"])
 def mixed(request) -> Iterator[tuple[LLMEngine, dict[str, list[int]]]]:
     spec = {"draft": dict(speculative_model="default"), "ngram": dict(speculative_method="ngram")}[request.param]
-    # 40 blocks of 16 tokens for 12 requests of ~70 tokens each: preemption; 48 tokens a step: chunking
+    # 20 blocks of 16 tokens (320) for 12 requests of 55-65 tokens each: preemption; 64 tokens a step: chunking
     engine = LLMEngine(
-        EngineConfig(**BASE, num_kv_blocks=40, max_num_batched_tokens=48, num_speculative_tokens=5, **spec)
+        EngineConfig(
+            **{**BASE, "max_model_len": 256},
+            num_kv_blocks=20,
+            max_num_batched_tokens=64,
+            num_speculative_tokens=5,
+            **spec,
+        )
     )
     preempted_before = engine.scheduler.num_preemptions
     out = _run(engine, REQUESTS)
