@@ -171,8 +171,13 @@ class SpecDecoder:
 
     def lookahead(self, num_running: int) -> Callable[[Request, int], int] | None:
         """The scheduler's ``lookahead`` for this step; None when drafting cannot pay at this
-        batch size (the per-request decisions are skipped)."""
-        return self._lookahead if self.policy.may_pay(num_running, self.adaptive) else None
+        batch size (the per-request decisions are skipped) or when the policy wants a plain
+        step timed."""
+        if not self.policy.may_pay(num_running, self.adaptive):
+            return None
+        if self.adaptive and self.policy.measure_plain(num_running):
+            return None  # a plain step, timed: what speculation is weighed against
+        return self._lookahead
 
     def _lookahead(self, req: Request, batch_size: int) -> int:
         """Draft positions ``req`` (decoding) gets this step: the policy's k within what is left

@@ -42,6 +42,10 @@ class PolicyConfig:
     window: int = 8  # rounds of history behind the acceptance estimate
     prior_acceptance: float = 0.7  # acceptance assumed before a request has any history
     prior_weight: float = 4.0  # pseudo-observations of prior_acceptance mixed into the estimate
+    margin: float = 1.03  # drafting must promise this many times plain's tokens/s to be chosen
+    min_plain_samples: int = 3  # plain-step times wanted at a batch size before trusting them
+    measure_gap: int = 4  # steps between two forced plain steps while those are missing
+    remeasure_every: int = 64  # speculating steps after which one plain step refreshes its cost
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -56,6 +60,10 @@ class PolicyConfig:
             raise ValueError(f"prior_acceptance must be in [0, 1), got {self.prior_acceptance}")
         if self.prior_weight < 0:
             raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
+        if self.margin < 1.0:
+            raise ValueError(f"margin must be >= 1, got {self.margin}")
+        if self.min_plain_samples < 0 or self.measure_gap < 1 or self.remeasure_every < 1:
+            raise ValueError("need min_plain_samples >= 0, measure_gap >= 1 and remeasure_every >= 1")
 
 
 @dataclass
@@ -95,14 +103,35 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class CostModel:
-    """Measured step times by batch size: an exponentially weighted mean per size,
-    interpolated between measured sizes."""
+    """Measured step times by size, and what they say about sizes not measured.
 
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self._verify: dict[int, float] = {}  # tokens in the target's forward -> seconds
-        self._draft: dict[int, float] = {}  # sequences in one draft step -> seconds
-        self._keys: dict[int, list[int]] = {id(self._verify): [], id(self._draft): []}  # sorted keys per table
+    * **Cold runs dropped**: the first time recorded for a size is discarded (the first run of
+      a shape pays one-time costs, up to a hundred times a warm step on CPU).
+    * **Fastest recent time**: each size keeps the fastest of its last ``window`` times.
+      Interference (other processes on the cores, page faults) only ever adds time, in
+      bursts that would move a mean or a median for many steps.
+    * **Forgetting**: a time older than ``forget_after`` records (of either table) drops out,
+      and a size with none left is no longer measured. A size whose cost once looked inflated
+      is not chosen again, so without this it would never be measured again either; once
+      forgotten it is estimated from the others, tried, and measured afresh.
+    * **Sizes not measured**: between two measured sizes, linear interpolation; outside
+      them, an affine fit ``a + b * size`` over all measured sizes (least squares, ``a >= 0``,
+      ``b >= 0``) anchored at the nearest one. Time is never assumed proportional to size: a
+      forward pass over a few tokens costs about what one token costs (it reads the same
+      weights). With a single measured size there is no slope yet and the time is taken as
+      flat (the next speculating step measures a second size); below the smallest measured
+      size it is never less than proportional scaling would give.
+    """
+
+    def __init__(self, window: int = 9, forget_after: int = 256) -> None:
+        if window < 1 or forget_after < 1:
+            raise ValueError(f"window and forget_after must be >= 1, got {window}, {forget_after}")
+        self.window = window
+        self.forget_after = forget_after
+        self._verify: dict[int, deque[tuple[int, float]]] = {}  # forward tokens -> recent (version, seconds)
+        self._draft: dict[int, deque[tuple[int, float]]] = {}  # sequences in a draft step -> the same
+        self._seen: dict[int, set[int]] = {id(self._verify): set(), id(self._draft): set()}  # sizes seen once
+        self._cache: dict[int, tuple[int, list[int], dict[int, float], float]] = {}
         self.version = 0  # bumped on every record: the policy's cached decisions go stale
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
@@ -111,31 +140,53 @@ class CostModel:
     def record_draft(self, num_seqs: int, seconds: float) -> None:
         self._update(self._draft, num_seqs, seconds)
 
-    def _update(self, table: dict[int, float], key: int, seconds: float) -> None:
-        old = table.get(key)
-        if old is None:
-            bisect.insort(self._keys[id(table)], key)
-        table[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
-        self.version += 1
+    def samples_at_or_below(self, num_tokens: int) -> int:
+        """Current times held for the largest measured target size <= ``num_tokens`` (0: none)."""
+        keys, _, _ = self._summary(self._verify)
+        i = bisect.bisect_right(keys, num_tokens)
+        if i == 0:
+            return 0
+        oldest = self.version - self.forget_after
+        return sum(1 for v, _ in self._verify[keys[i - 1]] if v > oldest)
 
-    def _lookup(self, table: dict[int, float], key: int) -> float | None:
-        """The measured time at ``key``; between two measured sizes, linear interpolation;
-        outside them, scaled in proportion from the nearest one."""
-        if not table:
+    def _update(self, table: dict[int, deque[tuple[int, float]]], key: int, seconds: float) -> None:
+        if key < 1 or not seconds >= 0:
+            raise ValueError(f"a cost needs size >= 1 and seconds >= 0, got size {key}, {seconds} s")
+        seen = self._seen[id(table)]
+        if key not in seen:  # a shape's first run pays one-time costs
+            seen.add(key)
+            return
+        self.version += 1
+        table.setdefault(key, deque(maxlen=self.window)).append((self.version, seconds))
+
+    def _summary(self, table: dict[int, deque[tuple[int, float]]]) -> tuple[list[int], dict[int, float], float]:
+        """(sorted measured sizes, time per size, slope of the affine fit), current times only."""
+        got = self._cache.get(id(table))
+        if got is not None and got[0] == self.version:
+            return got[1], got[2], got[3]
+        oldest = self.version - self.forget_after
+        times = {k: min(t for v, t in d if v > oldest) for k, d in table.items() if any(v > oldest for v, _ in d)}
+        keys = sorted(times)
+        slope = _affine_slope([(k, times[k]) for k in keys])
+        self._cache[id(table)] = (self.version, keys, times, slope)
+        return keys, times, slope
+
+    def _lookup(self, table: dict[int, deque[tuple[int, float]]], key: int) -> float | None:
+        keys, times, slope = self._summary(table)
+        if not keys:
             return None
-        got = table.get(key)
+        got = times.get(key)
         if got is not None:
             return got
-        keys = self._keys[id(table)]
         i = bisect.bisect_left(keys, key)
-        below = keys[i - 1] if i > 0 else None
-        above = keys[i] if i < len(keys) else None
-        if below is not None and above is not None:
+        if 0 < i < len(keys):
+            below, above = keys[i - 1], keys[i]
             w = (key - below) / (above - below)
-            return (1 - w) * table[below] + w * table[above]
-        nearest = below if above is None else above
-        assert nearest is not None
-        return table[nearest] * key / nearest
+            return (1 - w) * times[below] + w * times[above]
+        if i == len(keys):  # above every measured size
+            return times[keys[-1]] + slope * (key - keys[-1])
+        smallest = keys[0]
+        return max(times[smallest] - slope * (smallest - key), times[smallest] * key / smallest)
 
     def target_time(self, num_tokens: int) -> float | None:
         return self._lookup(self._verify, num_tokens)
@@ -144,12 +195,43 @@ class CostModel:
         return self._lookup(self._draft, num_seqs)
 
 
+def _affine_slope(points: list[tuple[int, float]]) -> float:
+    """Slope b of the least-squares fit t = a + b * n with a >= 0 and b >= 0 (0 with fewer
+    than two sizes)."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx)
+    if my - b * mx < 0:  # the intercept would be negative: the best fit through the origin
+        b = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return b
+
+
 class SpeculationPolicy:
     def __init__(self, config: PolicyConfig | None = None, costs: CostModel | None = None) -> None:
         self.config = config or PolicyConfig()
         self.costs = costs or CostModel()
         self._memo: dict[tuple[float, int, int], int] = {}
         self._memo_version = -1
+        self._since_plain = self.config.remeasure_every  # steps since the last forced plain step
+
+    def measure_plain(self, batch_size: int) -> bool:
+        """Whether this step (one that could speculate, at ``batch_size``) should decode plainly
+        so that the cost of a plain step gets measured: while the largest measured forward size
+        at or below ``batch_size`` has fewer than ``min_plain_samples`` times (at most every
+        ``measure_gap`` steps: a step mixing prompt chunks is not timed, and must not hold
+        speculation off), and once every ``remeasure_every`` steps to keep it current. Without
+        it a request that always speculates would compare against a plain cost never measured."""
+        cfg = self.config
+        self._since_plain += 1
+        wanted = self.costs.samples_at_or_below(batch_size) < cfg.min_plain_samples
+        if self._since_plain >= cfg.remeasure_every or (wanted and self._since_plain >= cfg.measure_gap):
+            self._since_plain = 0
+            return True
+        return False
 
     def new_state(self, cap: int | None = None) -> RequestSpecState:
         """State for a new request; ``cap`` is its own limit on k (from its SamplingParams)."""
@@ -212,7 +294,7 @@ class SpeculationPolicy:
             verify = self.costs.target_time(batch_size * (k + 1))
             assert verify is not None
             rate = expected_tokens(acceptance, k) / (verify + k * draft)
-            if rate > best_rate * 1.02:  # prefer fewer drafted tokens unless clearly better
+            if rate > best_rate * self.config.margin:  # prefer fewer drafted tokens unless clearly better
                 best_k, best_rate = k, rate
         return best_k
 
