@@ -1,0 +1,244 @@
+"""Speculation on a wide prompt set: does the adaptive policy keep every kind of text at
+>= 0.95x of plain decoding? Embedded default pair (target 10M, draft 3M), float32 on CPU,
+greedy, 128 new tokens; every ratio comes from the same run.
+
+Prompt kinds, all held out from the default models' training data (the standard library
+files of ``docs/heldout_files.txt``, or text this script writes itself):
+
+* ``stdlib library code`` / ``stdlib test code``: slices of held-out library and test files;
+* ``generated python``: functions with random identifiers and constants;
+* ``generated C``: C-like code (a language the models never saw);
+* ``prose``: English paragraphs written for this benchmark;
+* ``random tokens``: uniformly random token ids;
+* ``repetitive``: a line of code, and a sentence, repeated.
+
+Two measurements:
+
+1. ``batch1``: each kind alone, one request at a time (each prompt through every
+   configuration in turn, twice, the faster run kept): plain, the default draft (adaptive) and
+   n-gram lookup (adaptive).
+2. ``concurrency``: the kinds mixed, 4 and 16 requests in the engine at a time.
+
+    python bench/bench_spec_prompts.py [--only batch1,concurrency] [--threads 1]
+
+Results go to docs/benchmarks.md (section ``speculative-prompts``) and
+bench/results/spec_prompts.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_spec import _interleaved, _llm, _spec_stats, _throughput  # noqa: E402
+from benchlib import ROOT, heldout_texts, machine, write_section  # noqa: E402
+
+from draftwise.worker import SamplingParams  # noqa: E402
+
+NEW_TOKENS = 128
+PER_KIND = 2  # prompts of each kind
+CONFIGS = {"draft": dict(speculative_model="default"), "ngram": dict(speculative_method="ngram")}
+
+PROSE = [
+    "The harbour town woke slowly. Fishing boats that had left before dawn were already "
+    "coming back, their decks stacked with crates, and the gulls followed them in long, "
+    "noisy lines. By the time the bakery opened its shutters, a queue had formed along the "
+    "sea wall, and the smell of bread mixed with salt and diesel. Nobody talked much at that "
+    "hour; they nodded, counted coins, and watched the tide turn.",
+    "When the committee finally published its report, most readers skipped straight to the "
+    "recommendations. They were modest: better lighting on the footpaths, a second bus in the "
+    "evening, and a small fund for repairs that residents could apply to directly. What the "
+    "report did not say, and what everyone at the meeting had argued about for two hours, "
+    "was who would decide which repairs came first.",
+    "Her grandmother kept a notebook of every garden she had planted, with sketches of the "
+    "beds, the dates of the first frost, and short verdicts on each variety of bean. Reading "
+    "it years later, she noticed how the handwriting changed: careful and upright in the "
+    "early pages, then quicker, slanting, with more crossings-out, as if the garden had "
+    "become something to argue with rather than to record.",
+]
+
+C_WORDS = ["buf", "len", "node", "count", "flags", "ctx", "item", "next", "head", "size", "key", "val"]
+PY_WORDS = ["alpha", "bravo", "delta", "ember", "fjord", "glyph", "haze", "ivory", "jolt", "koala", "lumen", "moss"]
+
+
+def _generated_python(rng: random.Random) -> str:
+    def name() -> str:
+        return f"{rng.choice(PY_WORDS)}_{rng.choice(PY_WORDS)}"
+
+    lines = []
+    for _ in range(3):
+        a, b = name(), name()
+        lines += [
+            f"def {name()}({a}, {b}={rng.randint(0, 99)}):",
+            f"    {name()} = [{a} * {rng.randint(2, 9)} for _ in range({b})]",
+            f"    if {a} > {rng.randint(10, 500)}:",
+            f"        return {b} - {rng.randint(1, 7)}",
+            f"    return sum({a} for {a} in range({b}))",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _generated_c(rng: random.Random) -> str:
+    def w() -> str:
+        return rng.choice(C_WORDS)
+
+    lines = ["#include <stdlib.h>", ""]
+    for i in range(3):
+        lines += [
+            f"static int {w()}_{w()}_{i}(struct {w()} *{w()}, size_t {w()}) {{",
+            f"    for (size_t i = 0; i < {w()}; i++) {{",
+            f"        if ({w()}->{w()}[i] == {rng.randint(0, 255)}) return -{rng.randint(1, 9)};",
+            f"        {w()}->{w()} += {rng.randint(1, 64)};",
+            "    }",
+            f"    return {w()}->{w()};",
+            "}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def prompt_kinds(tokenizer, per_kind: int = PER_KIND, seed: int = 0) -> dict[str, list[list[int]]]:
+    """Token-id prompts of every kind, ``per_kind`` each, 64-160 tokens."""
+    rng = random.Random(seed)
+    texts = heldout_texts()
+    lib = [t for t in texts if "def " in t and "unittest" not in t]
+    tests = [t for t in texts if "unittest" in t]
+
+    def cut(pool: list[str]) -> list[int]:
+        ids = tokenizer.encode(rng.choice(pool))
+        n = rng.randint(64, 160)
+        start = rng.randrange(1, max(2, len(ids) - n))
+        return [ids[0]] + ids[start : start + n - 1]
+
+    vocab = len(tokenizer.hf)
+    kinds = {
+        "stdlib library code": [cut(lib) for _ in range(per_kind)],
+        "stdlib test code": [cut(tests) for _ in range(per_kind)],
+        "generated python": [tokenizer.encode(_generated_python(rng)) for _ in range(per_kind)],
+        "generated C": [tokenizer.encode(_generated_c(rng)) for _ in range(per_kind)],
+        "prose": [tokenizer.encode(PROSE[i % len(PROSE)]) for i in range(per_kind)],
+        "random tokens": [[rng.randrange(10, vocab) for _ in range(96)] for _ in range(per_kind)],
+        "repetitive": [
+            tokenizer.encode("x = [1, 2, 3]\n" * 8),
+            tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8),
+        ][:per_kind],
+    }
+    return kinds
+
+
+def bench_batch1(kinds: dict[str, list[list[int]]]) -> list[dict]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llms = {"plain": _llm(), **{name: _llm(**spec) for name, spec in CONFIGS.items()}}
+    rows = []
+    for kind, prompts in kinds.items():
+        res = _interleaved(llms, prompts, [params] * len(prompts))
+        plain_s, plain = res["plain"]
+        ref = [o.outputs[0].token_ids for o in plain]
+        row: dict = {"kind": kind, "prompts": len(prompts), "plain_tokens_per_s": NEW_TOKENS * len(prompts) / plain_s}
+        for name in CONFIGS:
+            s, outs = res[name]
+            row[name] = {
+                "ratio": plain_s / s,
+                "same_tokens_as_plain": [o.outputs[0].token_ids for o in outs] == ref,
+                **_spec_stats(outs),
+            }
+        rows.append(row)
+        print("batch1", json.dumps(row), flush=True)
+    return rows
+
+
+def bench_concurrency(kinds: dict[str, list[list[int]]], levels: tuple[int, ...] = (4, 16)) -> list[dict]:
+    mixed = [p for ps in kinds.values() for p in ps]
+    random.Random(1).shuffle(mixed)
+    llms = {"plain": _llm(), **{name: _llm(**spec) for name, spec in CONFIGS.items()}}
+    rows = []
+    for c in levels:
+        prompts = (mixed * (1 + 2 * c // len(mixed)))[: max(2 * c, len(mixed))]
+        for llm in llms.values():
+            _throughput(llm, prompts[:2], 2, 8)  # warm-up
+        best = {name: float("inf") for name in llms}
+        outs: dict[str, list] = {}
+        for _ in range(2):  # alternate, keep each side's fastest run
+            for name, llm in llms.items():
+                s, outs[name] = _throughput(llm, prompts, c, NEW_TOKENS)
+                best[name] = min(best[name], s)
+        n = len(prompts) * NEW_TOKENS
+        row: dict = {"concurrency": c, "requests": len(prompts), "plain_tokens_per_s": n / best["plain"]}
+        for name in CONFIGS:
+            row[name] = {"ratio": best["plain"] / best[name], **_spec_stats(outs[name])}
+        rows.append(row)
+        print("concurrency", json.dumps(row), flush=True)
+    return rows
+
+
+def render(r: dict) -> str:
+    lines = [
+        "## Speculation on a wide prompt set (default pair, float32, CPU)",
+        "",
+        f"Command: `python bench/bench_spec_prompts.py --threads {r.get('threads')}` — {r.get('date')}, {r.get('machine')}",
+        "",
+        f"Greedy, {NEW_TOKENS} new tokens; ratio = plain decoding time / speculative time (goal >= 0.95x",
+        "everywhere); acceptance = accepted / proposed; same tokens = output equal to plain's.",
+        "",
+    ]
+    if "batch1" in r:
+        lines += [
+            f"### Batch 1, {PER_KIND} prompts per kind",
+            "",
+            "| kind | plain tokens/s | draft: ratio | acceptance | proposed | same | n-gram: ratio | acceptance | proposed | same |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in r["batch1"]:
+            d, g = row["draft"], row["ngram"]
+            lines.append(
+                f"| {row['kind']} | {row['plain_tokens_per_s']:.1f} | **{d['ratio']:.2f}x** | {d['acceptance_rate']:.2f} | "
+                f"{d['proposed']} | {d['same_tokens_as_plain']} | **{g['ratio']:.2f}x** | {g['acceptance_rate']:.2f} | "
+                f"{g['proposed']} | {g['same_tokens_as_plain']} |"
+            )
+        lines.append("")
+    if "concurrency" in r:
+        lines += [
+            "### All kinds mixed, several requests at a time",
+            "",
+            "| concurrency | requests | plain tokens/s | draft: ratio | acceptance | n-gram: ratio | acceptance |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in r["concurrency"]:
+            d, g = row["draft"], row["ngram"]
+            lines.append(
+                f"| {row['concurrency']} | {row['requests']} | {row['plain_tokens_per_s']:.1f} | **{d['ratio']:.2f}x** | "
+                f"{d['acceptance_rate']:.2f} | **{g['ratio']:.2f}x** | {g['acceptance_rate']:.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="batch1,concurrency")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    which = set(args.only.split(","))
+    out_path = ROOT / "bench" / "results" / "spec_prompts.json"
+    results: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
+    results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads})
+    kinds = prompt_kinds(_llm().get_tokenizer())
+    for name, fn in (("batch1", bench_batch1), ("concurrency", bench_concurrency)):
+        if name in which:
+            results[name] = fn(kinds)
+            out_path.parent.mkdir(exist_ok=True)
+            out_path.write_text(json.dumps(results, indent=1) + "\n")
+    write_section("speculative-prompts", render(results))
+
+
+if __name__ == "__main__":
+    main()
