@@ -96,10 +96,11 @@ def test_without_measurements_acceptance_decides():
 
 
 def _costs(per_token: float, fixed: float, draft_fixed: float, draft_per_seq: float, sizes: range) -> CostModel:
-    c = CostModel()
+    c = CostModel(forget_after=10**6)
     for n in sizes:
-        c.record_target(n, fixed + per_token * n)
-        c.record_draft(n, draft_fixed + draft_per_seq * n)
+        for _ in range(2):  # the first time of each size is dropped as a cold run
+            c.record_target(n, fixed + per_token * n)
+            c.record_draft(n, draft_fixed + draft_per_seq * n)
     return c
 
 
@@ -123,18 +124,150 @@ def test_costs_switch_off_at_large_batch():
     assert pol.choose_k(st, 1) > 0  # the same request at batch 1 still speculates
 
 
-def test_cost_model_nearest_and_smoothing():
-    c = CostModel(alpha=0.5)
+def _record(c: CostModel, size: int, *times: float) -> None:
+    c.record_target(size, 99.0)  # the cold first run: dropped
+    for t in times:
+        c.record_target(size, t)
+
+
+def test_cost_model_drops_cold_runs_and_keeps_the_fastest_recent_time():
+    c = CostModel(window=3)
     assert c.target_time(4) is None
-    c.record_target(4, 1.0)
-    c.record_target(4, 3.0)
-    assert c.target_time(4) == pytest.approx(2.0)
-    assert c.target_time(8) == pytest.approx(4.0)  # scaled from the nearest measurement
-    assert c.target_time(2) == pytest.approx(1.0)
-    c.record_target(12, 6.0)
-    assert c.target_time(8) == pytest.approx(4.0)  # interpolated between 4 (2.0) and 12 (6.0)
-    c.record_target(12, 2.0)  # smoothed: 6.0 -> 4.0
-    assert c.target_time(6) == pytest.approx(2.5)
+    c.record_target(4, 0.5)  # the first run of a shape: dropped
+    assert c.target_time(4) is None and c.samples_at_or_below(4) == 0
+    c.record_target(4, 0.02)
+    c.record_target(4, 0.09)  # a burst of interference does not move it
+    assert c.target_time(4) == pytest.approx(0.02)
+    c.record_target(4, 0.03)
+    c.record_target(4, 0.04)  # 0.02 left the window of 3
+    assert c.target_time(4) == pytest.approx(0.03)
+    assert c.samples_at_or_below(4) == 3 and c.samples_at_or_below(100) == 3 and c.samples_at_or_below(3) == 0
+
+
+def test_cost_model_never_extrapolates_in_proportion():
+    """The defect: with one measured size, time(1) was time(2) / 2 and time(k + 1) grew in
+    proportion to k, so speculation could never look profitable at batch 1."""
+    c = CostModel()
+    _record(c, 2, 0.010)
+    assert c.target_time(1) == pytest.approx(0.010)  # one size: flat (no slope measured)
+    assert c.target_time(6) == pytest.approx(0.010)
+    _record(c, 1, 0.009)
+    _record(c, 4, 0.011)
+    # least squares over (1, 9 ms), (2, 10 ms), (4, 11 ms): slope 27/42 ms per token
+    assert c.target_time(3) == pytest.approx(0.0105)  # interpolated
+    assert c.target_time(8) == pytest.approx(0.011 + 4 * 0.001 * 27 / 42)  # from the largest size, on the slope
+    assert c.target_time(8) < 2 * c.target_time(4)
+
+
+def test_cost_model_below_the_smallest_size():
+    c = CostModel()
+    _record(c, 64, 0.050)
+    _record(c, 128, 0.090)  # slope 0.625 ms per token, intercept 10 ms
+    assert c.target_time(32) == pytest.approx(0.030)
+    assert c.target_time(1) == pytest.approx(0.010625)
+    c = CostModel()
+    _record(c, 4, 0.010)
+    _record(c, 8, 0.030)  # the line through both would cross zero: fitted through the origin, slope 3.5 ms
+    assert c.target_time(16) == pytest.approx(0.030 + 8 * 0.0035)
+    assert c.target_time(1) == pytest.approx(0.010 / 4)  # never below proportional scaling
+
+
+def test_cost_model_fit_is_never_decreasing():
+    c = CostModel()
+    _record(c, 1, 0.020)  # noisy: one token measured slower than two
+    _record(c, 2, 0.010)
+    assert c.target_time(5) == pytest.approx(0.010)  # slope clamped at 0
+    assert c.target_time(1) == pytest.approx(0.020)
+
+
+def test_cost_model_forgets_old_times():
+    """A size measured only in a burst of interference looks too dear to choose, so it is
+    never measured again unless its times expire; then it is estimated from the others."""
+    c = CostModel(forget_after=10)
+    _record(c, 4, 0.5)  # inflated
+    for _ in range(10):
+        c.record_target(1, 0.010)
+    assert c.target_time(4) == pytest.approx(0.5)
+    c.record_target(1, 0.010)  # 4's time is now more than 10 records old
+    assert c.target_time(4) == pytest.approx(0.010)  # flat from the one size left
+
+
+def test_cost_model_validates():
+    with pytest.raises(ValueError, match="window"):
+        CostModel(window=0)
+    with pytest.raises(ValueError, match="size >= 1"):
+        CostModel().record_target(0, 0.1)
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        CostModel().record_draft(1, -1.0)
+
+
+def _cpu_batch1_costs() -> CostModel:
+    """What the engine measures at batch 1 on CPU (1 thread, default pair): plain 5.3 ms,
+    verify 2-5 tokens 6-7.5 ms, a draft step 1 ms."""
+    c = CostModel()
+    for size, t in ((1, 0.0053), (2, 0.0062), (3, 0.0068), (5, 0.0075)):
+        _record(c, size, t)
+    c.record_draft(1, 0.1)
+    c.record_draft(1, 0.001)
+    return c
+
+
+def test_memory_bound_batch1_speculation_pays():
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=5), _cpu_batch1_costs())
+    assert pol.may_pay(1)
+    st = pol.new_state()
+    for _ in range(4):
+        pol.update(st, 4, 4)
+    assert pol.choose_k(st, 1) >= 4
+
+
+def test_batch1_low_acceptance_backs_off_within_a_few_rounds():
+    """Per-token acceptance 0.25 (held-out code, default pair): one drafted token yields 1.25
+    tokens for 6.2 + 1 ms against 5.3 ms plain: it does not pay, and the policy must see it
+    within a few rounds, not after its window."""
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=5), _cpu_batch1_costs())
+    st = pol.new_state()
+    ks = []
+    for i in range(80):
+        k = pol.choose_k(st, 1)
+        ks.append(k)
+        if k:
+            pol.update(st, k, 1 if i % 4 == 0 else 0)  # per-token acceptance about 0.25
+    assert ks[0] > 0  # the prior (0.7) says try
+    first_zero = ks.index(0)
+    assert first_zero <= 6
+    assert sum(1 for k in ks[first_zero:] if k) <= 8  # then only a probe now and then (k = 1)
+    assert max(ks[first_zero:]) <= 1
+
+
+def test_batch1_high_acceptance_keeps_speculating():
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=5), _cpu_batch1_costs())
+    st = pol.new_state()
+    ks = []
+    for _ in range(50):
+        k = pol.choose_k(st, 1)
+        ks.append(k)
+        pol.update(st, k, k if len(ks) % 4 else k - 1)  # per-token acceptance about 0.9
+    assert min(ks) >= 2 and ks[-40:] == [5] * 40
+
+
+def test_measure_plain_times_plain_steps_first_then_now_and_then():
+    pol = SpeculationPolicy(PolicyConfig(min_plain_samples=2, measure_gap=3, remeasure_every=10))
+    assert pol.measure_plain(1)  # nothing measured: a plain step first
+    assert not pol.measure_plain(1)
+    assert not pol.measure_plain(1)
+    assert pol.measure_plain(1)  # still nothing: again, measure_gap steps later (a prefill may have mixed in)
+    pol.costs.record_target(1, 0.1)  # cold, dropped
+    pol.costs.record_target(1, 0.005)
+    pol.costs.record_target(1, 0.005)
+    got = [pol.measure_plain(1) for _ in range(20)]
+    assert got == [False] * 9 + [True] + [False] * 9 + [True]  # once every remeasure_every steps
+    assert pol.measure_plain(4) is False  # size 1 counts for batch 4 (a measured size below)
+    pol2 = SpeculationPolicy()
+    pol2.costs.record_target(8, 0.1)
+    pol2.costs.record_target(8, 0.1)
+    pol2._since_plain = 0
+    assert [pol2.measure_plain(4) for _ in range(4)] == [False, False, False, True]  # nothing at or below 4
 
 
 @pytest.mark.parametrize(
@@ -145,6 +278,8 @@ def test_cost_model_nearest_and_smoothing():
         (dict(lower_below=0.9, raise_above=0.8), "lower_below"),
         (dict(off_after=0), "off_after"),
         (dict(prior_acceptance=1.0), "prior_acceptance"),
+        (dict(margin=0.9), "margin"),
+        (dict(measure_gap=0), "measure_gap"),
     ],
 )
 def test_config_validation(kwargs, match):

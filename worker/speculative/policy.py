@@ -39,9 +39,9 @@ class PolicyConfig:
     lower_below: float = 0.5  # acceptance below which the cap falls
     off_after: int = 3  # rounds in a row with nothing accepted before speculation goes off
     probe_after: int = 32  # plain steps after which an off request is probed again
-    window: int = 8  # rounds of history behind the acceptance estimate
+    window: int = 16  # rounds of history behind the acceptance estimate
     prior_acceptance: float = 0.7  # acceptance assumed before a request has any history
-    prior_weight: float = 4.0  # pseudo-observations of prior_acceptance mixed into the estimate
+    prior_weight: float = 2.0  # pseudo-observations of prior_acceptance mixed into the estimate
     margin: float = 1.03  # drafting must promise this many times plain's tokens/s to be chosen
     min_plain_samples: int = 3  # plain-step times wanted at a batch size before trusting them
     measure_gap: int = 4  # steps between two forced plain steps while those are missing
@@ -289,13 +289,15 @@ class SpeculationPolicy:
         draft = self.costs.draft_time(batch_size)
         if plain is None or draft is None:
             return cap  # nothing measured yet: acceptance alone decides
-        best_k, best_rate = 0, 1.0 / plain
+        best_k, best_rate = 0, 0.0
         for k in range(1, cap + 1):
             verify = self.costs.target_time(batch_size * (k + 1))
             assert verify is not None
             rate = expected_tokens(acceptance, k) / (verify + k * draft)
-            if rate > best_rate * self.config.margin:  # prefer fewer drafted tokens unless clearly better
+            if rate > best_rate * 1.02:  # prefer fewer drafted tokens unless clearly better
                 best_k, best_rate = k, rate
+        if best_rate <= self.config.margin / plain:  # drafting must clearly beat plain decoding
+            return 0
         return best_k
 
     def update(self, state: RequestSpecState, proposed: int, accepted: int) -> None:
