@@ -18,7 +18,11 @@ Two layers:
    could only cost: a large batch verifying twice its tokens, the draft catching up).
 
 The acceptance estimate is smoothed towards ``prior_acceptance`` with ``prior_weight``
-pseudo-observations, so that one unlucky round does not decide a request's fate.
+pseudo-observations, so that one unlucky round does not decide a request's fate. Drafting is
+chosen only when it promises ``margin`` times plain's tokens per second. The plain step's
+cost is what everything is weighed against, so ``measure_plain`` asks the engine for a timed
+plain step while it is unknown at the current batch size, and now and then after that (see
+``CostModel`` for how times are kept and extrapolated).
 (What requests report, accepted over proposed, is a different number: it falls with k.)
 """
 
