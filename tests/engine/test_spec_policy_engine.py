@@ -74,7 +74,7 @@ def test_repetitive_text_keeps_speculating_at_batch1(one_thread):
 def test_always_rejected_drafts_stop_quickly(one_thread):
     """A frequency penalty makes the target avoid repeating its own output, which is what
     n-gram lookup proposes: (nearly) every drafted token is rejected. After three empty rounds
-    the request stops drafting; then only a one-token probe every probe_after (8) plain steps
+    the request stops drafting; then only a one-token probe after probe_after (8) or more plain steps
     (a probe that happens to be accepted restarts it at k = 1, gently)."""
     ids = load_tokenizer(default_model_path("target")).encode(REPETITIVE)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, frequency_penalty=2.0)

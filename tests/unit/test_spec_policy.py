@@ -61,10 +61,14 @@ def test_three_empty_rounds_switch_off_then_probe():
     assert st.off_steps == 0
     assert [pol.choose_k(st, 1) for _ in range(5)] == [0] * 5
     assert pol.choose_k(st, 1) == 1  # the probe
-    pol.update(st, 1, 0)  # failed probe: off again for probe_after steps
-    assert [pol.choose_k(st, 1) for _ in range(6)] == [0, 0, 0, 0, 0, 1]
+    pol.update(st, 1, 0)  # failed probe: off again, twice as long
+    assert [pol.choose_k(st, 1) for _ in range(11)] == [0] * 10 + [1]
+    pol.update(st, 1, 0)  # and again: four times as long, and no longer
+    assert [pol.choose_k(st, 1) for _ in range(21)] == [0] * 20 + [1]
+    pol.update(st, 1, 0)
+    assert [pol.choose_k(st, 1) for _ in range(21)] == [0] * 20 + [1]
     pol.update(st, 1, 1)  # successful probe: on, gently
-    assert st.off_steps is None and st.cap == 1
+    assert st.off_steps is None and st.cap == 1 and st.probes == 0
     assert pol.choose_k(st, 1) == 1
 
 
@@ -305,7 +309,10 @@ def test_costs_choosing_zero_still_probe_and_recover():
         st.zero_streak = 0  # keep it on: this test is about the cost layer
     assert pol.estimate(st) < 0.5
     assert [pol.choose_k(st, 1) for _ in range(5)] == [0, 0, 0, 0, 1]
-    assert pol.choose_k(st, 1) == 0  # the count starts again
+    assert [pol.choose_k(st, 1) for _ in range(9)] == [0] * 8 + [1]  # a probe that changed nothing: twice the wait
+    for _ in range(16):
+        pol.update(st, 1, 1)  # the draft agrees again: the costs choose k > 0, the wait is reset
+    assert pol.choose_k(st, 1) > 0 and st.probes == 0
 
 
 def test_no_probes_where_even_perfect_acceptance_would_not_pay():

@@ -6,7 +6,8 @@ Two layers:
    chance that a drafted token is accepted given the ones before it were). Its cap on k rises
    by one while acceptance is above ``raise_above``, falls by one below ``lower_below``; after
    ``off_after`` rounds in a row with nothing accepted speculation goes off for the request,
-   and after ``probe_after`` plain steps it is probed again with k = 1.
+   and after ``probe_after`` plain steps it is probed again with k = 1 (the wait doubles
+   with each failed probe in a row, up to four times).
 2. **Cost**: the engine records how long draft steps and verify steps take at each batch
    size (``CostModel``). Given an acceptance rate a, k drafted tokens yield on average
    (1 - a^(k+1)) / (1 - a) tokens per step; the policy picks the k (zero included) up to the
@@ -80,6 +81,7 @@ class RequestSpecState:
     zero_streak: int = 0  # rounds in a row with nothing accepted
     off_steps: int | None = None  # plain steps since speculation went off (None: on)
     idle_steps: int = 0  # steps in a row for which the costs chose k = 0
+    probes: int = 0  # probes in a row that did not bring speculation back (each doubles the wait, up to 4x)
     proposed: int = 0  # totals, for reporting
     accepted: int = 0
     verify_steps: int = 0  # verified rounds with at least one drafted token
@@ -247,21 +249,28 @@ class SpeculationPolicy:
         if state.cap == 0:
             return 0
         if state.off_steps is not None:
-            if state.off_steps < self.config.probe_after:
+            if state.off_steps < self.probe_wait(state):
                 state.off_steps += 1
                 return 0
             return 1  # probe
         k = self._best_k(self.estimate(state), state.cap, batch_size)
         if k > 0:
-            state.idle_steps = 0
+            state.idle_steps = state.probes = 0
             return k
         if self._best_k(1.0, state.cap, batch_size) == 0:
             return 0  # not even perfect acceptance would pay at this batch size: nothing to probe
         state.idle_steps += 1
-        if state.idle_steps > self.config.probe_after:
+        if state.idle_steps > self.probe_wait(state):
             state.idle_steps = 0
+            state.probes += 1
             return 1  # re-measure: acceptance and costs move
         return 0
+
+    def probe_wait(self, state: RequestSpecState) -> int:
+        """Plain steps before the next probe: ``probe_after``, doubled for each probe in a row
+        that did not bring speculation back, up to four times (a probe costs a draft catch-up
+        and a wider verify step; on text the draft cannot predict they would add up)."""
+        return self.config.probe_after << min(state.probes, 2)
 
     def may_pay(self, batch_size: int, adaptive: bool = True) -> bool:
         """Whether drafting could pay at this batch size at all (with perfect acceptance and
@@ -320,8 +329,10 @@ class SpeculationPolicy:
         if state.off_steps is not None:  # this was a probe
             if accepted == 0:
                 state.off_steps = 0
+                state.probes += 1
                 return
             state.off_steps = None
+            state.probes = 0
             state.zero_streak = 0
             state.cap = 1  # start again gently; acceptance raises it
             return
