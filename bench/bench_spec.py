@@ -219,6 +219,8 @@ def bench_concurrency(tokenizer, levels=(1, 4, 16, 64), new_tokens: int = 128) -
             "plain_tokens_per_s": n * new_tokens / plain_s,
             "spec_tokens_per_s": n * new_tokens / spec_s,
             "ratio": plain_s / spec_s,
+            "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"),
             **_spec_stats(outs),
         }
         rows.append(row)
@@ -334,6 +336,14 @@ def render(r: dict) -> str:
         lines += [
             "### 3. Throughput with and without speculation (adaptive policy), greedy, 128 new tokens, held-out prompts of 32-256 tokens",
             "",
+            *(
+                [
+                    f"Command: `python bench/bench_spec.py --only concurrency --threads {c0['threads']}` — {c0.get('date')}",
+                    "",
+                ]
+                if (c0 := r["concurrency"][0]).get("threads")
+                else []
+            ),
             "| concurrency | requests | plain tokens/s | speculative tokens/s | ratio (goal >= 0.95) | acceptance rate | mean accepted length |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
