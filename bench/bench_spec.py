@@ -254,7 +254,8 @@ def main() -> None:
     which = set(args.only.split(","))
     out_path = ROOT / "bench" / "results" / "spec.json"
     results: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
-    results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
+    if "greedy" in which:  # the header's machine and date are section 1's (section 3 records its own)
+        results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
     tokenizer = _llm().get_tokenizer()
     prompts = heldout_prompts(tokenizer, NUM_PROMPTS, (64, 128), seed=0)
     steps = [

@@ -120,6 +120,10 @@ class CostModel:
       and a size with none left is no longer measured. A size whose cost once looked inflated
       is not chosen again, so without this it would never be measured again either; once
       forgotten it is estimated from the others, tried, and measured afresh.
+    * **Monotone**: a size is never taken as dearer than a larger one (its times were taken
+      in a noisier moment; a forward pass over more tokens does not cost less). Without this,
+      a plain step timed during interference next to a verify step timed in a quiet moment
+      makes drafting look free.
     * **Sizes not measured**: between two measured sizes, linear interpolation; outside
       them, an affine fit ``a + b * size`` over all measured sizes (least squares, ``a >= 0``,
       ``b >= 0``) anchored at the nearest one. Time is never assumed proportional to size: a
@@ -173,6 +177,8 @@ class CostModel:
         oldest = self.version - self.forget_after
         times = {k: min(t for v, t in d if v > oldest) for k, d in table.items() if any(v > oldest for v, _ in d)}
         keys = sorted(times)
+        for small, big in zip(reversed(keys[:-1]), reversed(keys[1:]), strict=True):
+            times[small] = min(times[small], times[big])  # more tokens never cost less
         slope = _affine_slope([(k, times[k]) for k in keys])
         self._cache[id(table)] = (self.version, keys, times, slope)
         return keys, times, slope
