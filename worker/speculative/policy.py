@@ -11,8 +11,9 @@ Two layers:
 2. **Cost**: the engine records how long draft steps and verify steps take at each batch
    size (``CostModel``). Given an acceptance rate a, k drafted tokens yield on average
    (1 - a^(k+1)) / (1 - a) tokens per step; the policy picks the k (zero included) up to the
-   request's cap that gives the most tokens per second of step time at the current batch
-   size, so speculation switches itself down where batches are large enough that it no
+   request's cap that gives the step the most tokens per second at the current batch size
+   (counting this request's drafts at the margin: its k more tokens in the forward pass and
+   its k draft steps), so speculation switches itself down where batches are large enough that it no
    longer pays. A request for which the costs chose k = 0 for ``probe_after`` steps in a row
    speculates once with k = 1, so that its acceptance estimate (and the costs) stay current
    — unless even perfect acceptance would not pay at the current batch size (then a probe
@@ -304,18 +305,26 @@ class SpeculationPolicy:
         return k
 
     def _compute_best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
-        plain = self.costs.target_time(batch_size)
-        draft = self.costs.draft_time(batch_size)
+        """The request's k decided at the margin: one request drafting k tokens in a batch of
+        n makes the step's forward n + k tokens long and adds k draft steps, which the whole
+        batch waits for, for (1 - a^(k+1)) / (1 - a) - 1 more tokens. The step's tokens per
+        second with the drafts must beat plain's n / plain(n) by ``margin``. (Pricing the draft
+        steps as if this request drafted alone is pessimistic where many draft together: the
+        side to err on. Assuming every request drafts the same k made speculation look as good
+        at batch 4 as at batch 1, where requests of different acceptance shared the cost.)"""
+        n = max(batch_size, 1)
+        plain = self.costs.target_time(n)
+        draft = self.costs.draft_time(1)
         if plain is None or draft is None:
             return cap  # nothing measured yet: acceptance alone decides
         best_k, best_rate = 0, 0.0
         for k in range(1, cap + 1):
-            verify = self.costs.target_time(batch_size * (k + 1))
+            verify = self.costs.target_time(n + k)
             assert verify is not None
-            rate = expected_tokens(acceptance, k) / (verify + k * draft)
+            rate = (n - 1 + expected_tokens(acceptance, k)) / (verify + k * draft)
             if rate > best_rate * 1.02:  # prefer fewer drafted tokens unless clearly better
                 best_k, best_rate = k, rate
-        if best_rate <= self.config.margin / plain:  # drafting must clearly beat plain decoding
+        if best_rate <= self.config.margin * n / plain:  # drafting must clearly beat plain decoding
             return 0
         return best_k
 
