@@ -65,8 +65,9 @@ def test_repetitive_text_keeps_speculating_at_batch1(one_thread):
     accepted = sum(a for _, a, _ in steps)
     # early on the output has not fallen into the pattern yet and lookup finds nothing to
     # copy; once it has, every step must speculate (the defect: one draft, then none at all)
+    # but for the plain step the policy times every 64 steps
     tail = steps[-len(steps) * 2 // 5 : -1]
-    assert all(p > 0 for p, _, _ in tail), [(p, a) for p, a, _ in steps]
+    assert sum(1 for p, _, _ in tail if p == 0) <= 1, [(p, a) for p, a, _ in steps]
     assert accepted >= 0.8 * proposed and accepted >= len(out) // 3, (proposed, accepted, len(out))
     assert len(steps) < 0.75 * len(out)  # fewer steps than tokens: speculation paid its way
 
