@@ -58,6 +58,9 @@ class Core:
 
     def __post_init__(self) -> None:
         self.replay_budget = ReplayBudget(self.config.resume_buffer_total_bytes)
+        # read when scraped: no gauge update (a lock and a store) per relayed delta
+        budget = self.replay_budget
+        self.metrics.replay_bytes.set_function(lambda: budget.used)
         self.router.watchers.append(self.watch)
 
     def watch(self) -> None:
@@ -300,7 +303,6 @@ class Relay:
             del self.core.resumable[self.handle]
         if self.buffer is not None:
             self.buffer.drop(why)
-            self.core.metrics.replay_bytes.set(self.core.replay_budget.used)
 
     async def _run(self) -> None:
         try:
@@ -424,8 +426,10 @@ class Relay:
         self._move = None
         call = w.generate(self.request, timeout=timeout)
         self._call_obj, self.call_worker, self.t_progress = call, w, time.monotonic()
+        eof = grpc.aio.EOF
         try:
-            async for resp in call:
+            # read() rather than ``async for``: one await per event, no async generator in between
+            while (resp := await call.read()) is not eof:
                 self.t_progress = time.monotonic()
                 event = resp.event
                 kind = event.WhichOneof("kind")
@@ -496,7 +500,6 @@ class Relay:
         resp.event.request_id = rid
         if self.buffer is not None and self.buffer.lost is None:
             self.buffer.add_delta(resp)
-            self.core.metrics.replay_bytes.set(self.core.replay_budget.used)
             if self.buffer.lost is not None:
                 self.log.warning("request no longer resumable", why=self.buffer.lost)
         outbox = self.outbox
