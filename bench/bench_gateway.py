@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,33 +177,44 @@ def start(args: list[str], tmp: Path, name: str, env: dict[str, str]) -> tuple[s
     return p, int(ready.read_text())
 
 
+def median_run(summaries: list[dict]) -> dict:
+    """The per-key median of several runs' summaries (CPU keys included when present)."""
+    return {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--idle-streams", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both paths)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="engine and gateway runs alternate this many times per level; medians are reported (default 3)",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     levels = [int(x) for x in args.concurrency.split(",")]
     configure_logging("console", "warning")
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(default_model_path("target"))
     prompts = heldout_prompts(tok, max(levels), PROMPT_LENGTHS, seed=0)
-    results: dict = {"machine": machine(), "threads": args.threads, "new_tokens": NEW_TOKENS, "levels": {}}
-
-    aengine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE)))
-    aengine.start()
-    try:
-        arun(run_in_process(aengine, prompts[:8]))  # warm-up
-        for n in levels:
-            results["levels"][n] = {"engine": arun(run_in_process(aengine, prompts[:n])).summary()}
-            print(n, "engine", json.dumps(results["levels"][n]["engine"]), flush=True)
-    finally:
-        aengine.shutdown()
-        del aengine
+    results: dict = {
+        "machine": machine(),
+        "threads": args.threads,
+        "new_tokens": NEW_TOKENS,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "levels": {},
+    }
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     procs = []
+    aengine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE)))
+    aengine.start()
     with tempfile.TemporaryDirectory() as tmp:
         # the internal hop as under draftwise serve: one secret, required by the worker, sent by the gateway
         secret = f"--internal-secret-file={write_secret_file(Path(tmp) / 'internal-secret', generate_secret())}"
@@ -219,18 +231,31 @@ def main() -> None:
             gateway, gport = start(gw_args, Path(tmp), "gateway", env)
             procs.append(gateway)
             address = f"127.0.0.1:{gport}"
-            arun(run_gateway(address, prompts[:8]))  # warm-up
+            arun(run_in_process(aengine, prompts[:8]))  # warm-up
+            arun(run_gateway(address, prompts[:8]))
+            # both paths stay up (the idle one sleeps) and alternate, so that a machine whose
+            # load drifts (shared cores) weighs on both alike; medians over the rounds
             for n in levels:
-                cpu0 = {name: cpu_seconds(p.pid) for name, p in (("gateway", gateway), ("worker", worker))}
-                results["levels"][n]["gateway"] = arun(run_gateway(address, prompts[:n])).summary()
-                tokens = results["levels"][n]["gateway"]["output_tokens"]
-                for name, p in (("gateway", gateway), ("worker", worker)):
-                    used = cpu_seconds(p.pid) - cpu0[name]
-                    results["levels"][n]["gateway"][f"{name}_cpu_us_per_token"] = 1e6 * used / tokens
-                print(n, "gateway", json.dumps(results["levels"][n]["gateway"]), flush=True)
+                engine_runs, gateway_runs = [], []
+                for _ in range(args.rounds):
+                    engine_runs.append(arun(run_in_process(aengine, prompts[:n])).summary())
+                    cpu0 = {name: cpu_seconds(p.pid) for name, p in (("gateway", gateway), ("worker", worker))}
+                    g = arun(run_gateway(address, prompts[:n])).summary()
+                    for name, p in (("gateway", gateway), ("worker", worker)):
+                        g[f"{name}_cpu_us_per_token"] = 1e6 * (cpu_seconds(p.pid) - cpu0[name]) / g["output_tokens"]
+                    gateway_runs.append(g)
+                kept = [g["tokens_per_s"] / e["tokens_per_s"] for e, g in zip(engine_runs, gateway_runs, strict=True)]
+                results["levels"][n] = {
+                    "engine": median_run(engine_runs),
+                    "gateway": median_run(gateway_runs),
+                    "kept_per_round": kept,
+                    "kept": statistics.median(kept),
+                }
+                print(n, json.dumps(results["levels"][n]), flush=True)
             results["idle"] = arun(idle_streams(address, gateway.pid, args.idle_streams))
             print("idle", json.dumps(results["idle"]), flush=True)
         finally:
+            aengine.shutdown()
             for p in procs:
                 p.terminate()
                 p.wait(30)
@@ -241,27 +266,39 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
+    rounds = r.get("rounds", 1)
     lines = [
         "## Gateway overhead",
         "",
-        "`python bench/bench_gateway.py`: greedy requests (held-out prompts of "
+        f"Command: `python bench/bench_gateway.py` — {r.get('date', '')}, {r['machine']}",
+        "",
+        "Greedy requests (held-out prompts of "
         f"{PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {r['new_tokens']} new tokens each), one stream per request, "
         "through client -> gateway -> one worker process over gRPC on 127.0.0.1, against the same requests fed "
         f"straight into the in-process engine (`AsyncEngine`, same settings, {r['threads']} torch thread(s)). "
-        f"Machine: {r['machine']}.",
+        f"The two paths alternate {rounds} times per level (both stay up, the idle one sleeps); every figure is "
+        "the median over those rounds, throughput kept the median of the per-round ratios.",
         "",
-        "| streams | engine tok/s | gateway tok/s | throughput kept | engine ITL p50 / p99 (ms) "
+        "| streams | engine tok/s | gateway tok/s | throughput kept (goal >= 95% at 64) | engine ITL p50 / p99 (ms) "
         "| gateway ITL p50 / p99 (ms) | p99 added (ms) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, v in r["levels"].items():
         e, g = v["engine"], v["gateway"]
+        kept = v.get("kept", g["tokens_per_s"] / e["tokens_per_s"])
         lines.append(
-            f"| {n} | {e['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | {100 * g['tokens_per_s'] / e['tokens_per_s']:.1f}% "
+            f"| {n} | {e['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | {100 * kept:.1f}% "
             f"| {e['itl_p50_ms']:.2f} / {e['itl_p99_ms']:.2f} | {g['itl_p50_ms']:.2f} / {g['itl_p99_ms']:.2f} "
             f"| {g['itl_p99_ms'] - e['itl_p99_ms']:+.2f} |"
         )
     lines += [
+        "",
+        "Throughput kept in each round: "
+        + ", ".join(
+            f"{n} streams: " + " / ".join(f"{100 * k:.0f}%" for k in v.get("kept_per_round", []))
+            for n, v in r["levels"].items()
+        )
+        + ".",
         "",
         "CPU per output token through the gateway path (µs, user + system): "
         + ", ".join(
@@ -279,14 +316,37 @@ def render(r: dict) -> str:
             f"{idle['rss_before_mb']:.1f} MiB to {idle['rss_after_mb']:.1f} MiB: "
             f"**{idle['kb_per_stream']:.1f} KiB per idle stream**.",
         ]
-    lines += [
-        "",
-        "Goals: at most 5% of throughput lost, at most 1 ms added to p99 inter-token latency. Where they are missed,"
-        " read the CPU line: the gateway path adds three busy processes (the worker's gRPC front, the gateway, the"
-        " client) on the same cores as the engine thread, so on a machine with few cores they take time from the"
-        " engine; the gateway's own share is its CPU per token.",
-    ]
+    lines += ["", EXPLANATION]
     return "\n".join(lines)
+
+
+EXPLANATION = """\
+Goals: at most 5% of throughput lost (>= 95% kept at 64 streams), at most 1 ms added to p99 inter-token latency.
+
+Where the time goes (py-spy 0.4 sampling the gateway and the worker during 64-stream runs, Python and native
+frames, 2026-12-01):
+
+- **The gateway** spends about 90 µs of CPU per output token. In its native profile nearly all of it is gRPC's
+  C core and the kernel: `sendmsg`/`recv`/`write` and the grpc.aio poller thread (about a quarter of its busy
+  samples) that hands each completed read or write back to the event loop. Its own Python code (relay, outbox,
+  replay buffer, metrics) is about 15% of its busy samples; protobuf is not the cost: parsing a worker delta
+  and serializing it again take 0.3 + 0.2 µs (the worker builds and serializes one in 1.1 µs).
+- **The worker** spends about 80% of its busy samples in the engine thread and about 18% in its gRPC front (the
+  event loop and the poller thread), which shares the GIL with the engine thread's Python code.
+- **One gRPC message per token per hop.** Every request gets one delta per engine step, and each delta is one
+  message on each hop: a write, a completion handed across threads, a read. Deltas that are already waiting
+  are merged into one message (the gateway's outbox does it for a reader that falls behind), but at steady
+  state nothing waits: an engine step (6 ms at one stream, 40-200 ms at 64-256) is far longer than a send, so
+  there is nothing to merge without adding latency. What this run changed (the relay reads the worker call
+  with `read()` instead of an async iterator, the replay-bytes gauge is read when scraped instead of set per
+  delta) trims the gateway's Python share, not the per-message cost.
+
+So on 2 cores the gateway path adds three busy processes (the worker's gRPC front, the gateway, the client) next
+to an engine thread that wants a whole core, and the shortfall is the CPU those fronts take from it, largest
+where the per-token cost is paid most often. Single runs vary by +-15% on a shared machine (see the per-round
+figures); the remaining lever is on the contract: a worker stream that carries a whole engine step's deltas for
+all of a gateway's requests in one message would cut the worker front's and the gateway's reads from one per
+request per step to one per step."""
 
 
 if __name__ == "__main__":
