@@ -426,10 +426,10 @@ class Relay:
         self._move = None
         call = w.generate(self.request, timeout=timeout)
         self._call_obj, self.call_worker, self.t_progress = call, w, time.monotonic()
-        eof = grpc.aio.EOF
         try:
-            # read() rather than ``async for``: one await per event, no async generator in between
-            while (resp := await call.read()) is not eof:
+            # (``async for``, not ``read()``: read() answers EOF as soon as the call has its status,
+            # dropping events still buffered, such as the final one)
+            async for resp in call:
                 self.t_progress = time.monotonic()
                 event = resp.event
                 kind = event.WhichOneof("kind")
