@@ -337,9 +337,8 @@ frames, 2026-12-01):
   message on each hop: a write, a completion handed across threads, a read. Deltas that are already waiting
   are merged into one message (the gateway's outbox does it for a reader that falls behind), but at steady
   state nothing waits: an engine step (6 ms at one stream, 40-200 ms at 64-256) is far longer than a send, so
-  there is nothing to merge without adding latency. What this run changed (the relay reads the worker call
-  with `read()` instead of an async iterator, the replay-bytes gauge is read when scraped instead of set per
-  delta) trims the gateway's Python share, not the per-message cost.
+  there is nothing to merge without adding latency. Trimming the gateway's Python (its replay-bytes gauge is
+  now read when scraped instead of set per delta) shaves its share, not the per-message cost.
 
 So on 2 cores the gateway path adds three busy processes (the worker's gRPC front, the gateway, the client) next
 to an engine thread that wants a whole core, and the shortfall is the CPU those fronts take from it, largest
