@@ -7,10 +7,14 @@ gateway -> worker process, real gRPC on 127.0.0.1) and straight into the in-proc
 2. the gateway's memory per idle stream: RSS growth of the gateway process with 1000 open,
    idle ``Generate`` streams.
 
-    python bench/bench_gateway.py [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1]
+    python bench/bench_gateway.py [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1] [--rounds 3]
+
+Both paths stay up for the whole run and alternate ``--rounds`` times per level; the figures
+are medians over the rounds, "throughput kept" the median of the per-round ratios.
 
 Results go to docs/benchmarks.md (section ``gateway``) and bench/results/gateway.json.
-Run it on a quiet machine (nothing else busy): every number is a ratio of two runs.
+Run it on a quiet machine (nothing else busy): every number is a ratio of two runs (the
+section says how far the rounds' ratios spread).
 """
 
 from __future__ import annotations
