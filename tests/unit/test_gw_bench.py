@@ -41,8 +41,8 @@ def test_medians_and_render() -> None:
         "date": "2026-12-01",
         "levels": {
             64: {
-                "engine": _run(1000, 40, 100),
-                "gateway": _run(900, 45, 120, **cpu),
+                "engine": _run(1000, 40, 100, engine_cpu_us_per_token=600.0),
+                "gateway": _run(900, 45, 120, client_cpu_us_per_token=50.0, **cpu),
                 "kept_per_round": [0.85, 0.9, 0.95],
                 "kept": 0.9,
             }
@@ -53,4 +53,4 @@ def test_medians_and_render() -> None:
     assert "alternate 3 times per level" in text
     assert "| 64 | 1000 | 900 | 90.0% | 40.00 / 100.00 | 45.00 / 120.00 | +20.00 |" in text
     assert "64 streams: 85% / 90% / 95%" in text
-    assert "64 streams: gateway 90, worker 700" in text
+    assert "64 streams: engine alone 600, through the gateway: worker 700, gateway 90, client 50" in text
