@@ -350,27 +350,29 @@ def render(r: dict) -> str:
 EXPLANATION = """\
 Goals: at most 5% of throughput lost (>= 95% kept at 64 streams), at most 1 ms added to p99 inter-token latency.
 
-Where the time goes (py-spy sampling the gateway and the worker during 64-stream runs, Python and native
-frames, 2026-12-01):
+Where the time goes (py-spy with native frames, sampling the gateway and the worker during 64-stream runs,
+2026-12-01; idle waits in `epoll_wait` left out):
 
-- **The gateway** spends about 90 µs of CPU per output token. In its native profile nearly all of it is gRPC's
-  C core and the kernel: `sendmsg`/`recv`/`write` and the grpc.aio poller thread (about a quarter of its busy
-  samples) that hands each completed read or write back to the event loop. Its own Python code (relay, outbox,
-  replay buffer, metrics) is about 15% of its busy samples; protobuf is not the cost: parsing a worker delta
-  and serializing it again take 0.3 + 0.2 µs (the worker builds and serializes one in 1.1 µs).
-- **The worker** spends about 80% of its busy samples in the engine thread and about 18% in its gRPC front (the
-  event loop and the poller thread), which shares the GIL with the engine thread's Python code.
+- **The gateway** spends about 100 µs of CPU per output token. Of its busy samples, about 42% are system calls
+  (`sendmsg`, `recv`, the `write` that wakes the event loop from the grpc.aio poller thread), 30% gRPC's C core
+  and Cython layer, 7% the event loop, about 15% its own Python (relay, outbox, replay buffer, metrics) and 5%
+  protobuf. Protobuf allocation is not the cost: parsing a worker delta and serializing it again take 0.3 +
+  0.2 µs (the worker builds and serializes one in 1.1 µs). The client costs about as much again (50-60 µs).
+- **The worker's gRPC front** is about 9% of the worker's busy samples (the engine thread the other 91%); in
+  the CPU line it is the worker's excess over the engine alone, a few tens of µs per token.
 - **One gRPC message per token per hop.** Every request gets one delta per engine step, and each delta is one
-  message on each hop: a write, a completion handed across threads, a read. Deltas that are already waiting
-  are merged into one message (the gateway's outbox does it for a reader that falls behind), but at steady
-  state nothing waits: an engine step (6 ms at one stream, 40-200 ms at 64-256) is far longer than a send, so
-  there is nothing to merge without adding latency. Trimming the gateway's Python (its replay-bytes gauge is
-  now read when scraped instead of set per delta) shaves its share, not the per-message cost.
+  message on each hop: a write, a completion handed across threads, a read, on each side. Deltas that are
+  already waiting are merged into one message (the gateway's outbox does it for a reader that falls behind),
+  but at steady state nothing waits: an engine step (6 ms at one stream, 40-200 ms at 64-256) is far longer
+  than a send, so there is nothing to merge without adding latency. Trimming the gateway's Python (its
+  replay-bytes gauge is now read when scraped instead of set per delta) shaves its share, not the
+  per-message cost.
 
-So on 2 cores the gateway path adds three busy processes (the worker's gRPC front, the gateway, the client) next
-to an engine thread that wants a whole core, and the shortfall is the CPU those fronts take from it, largest
-where the per-token cost is paid most often. The remaining lever is on the contract: a worker stream that carries a whole engine step's deltas for
-all of a gateway's requests in one message would cut the worker front's and the gateway's reads from one per
+So the gateway path asks for about a quarter more CPU per token than the engine alone (gateway, client and the
+worker's front), on the second of 2 cores next to an engine thread that takes a whole one: with that core free
+the engine keeps its pace, and what a level loses is the time other load on the machine takes from either
+core. The remaining lever is on the contract: a worker stream that carries a whole engine step's deltas for all
+of a gateway's requests in one message would cut the worker front's writes and the gateway's reads from one per
 request per step to one per step."""
 
 
