@@ -7,10 +7,14 @@ gateway -> worker process, real gRPC on 127.0.0.1) and straight into the in-proc
 2. the gateway's memory per idle stream: RSS growth of the gateway process with 1000 open,
    idle ``Generate`` streams.
 
-    python bench/bench_gateway.py [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1]
+    python bench/bench_gateway.py [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1] [--rounds 3]
+
+Both paths stay up for the whole run and alternate ``--rounds`` times per level; the figures
+are medians over the rounds, "throughput kept" the median of the per-round ratios.
 
 Results go to docs/benchmarks.md (section ``gateway``) and bench/results/gateway.json.
-Run it on a quiet machine (nothing else busy): every number is a ratio of two runs.
+Run it on a quiet machine (nothing else busy): every number is a ratio of two runs (the
+section says how far the rounds' ratios spread).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,33 +181,44 @@ def start(args: list[str], tmp: Path, name: str, env: dict[str, str]) -> tuple[s
     return p, int(ready.read_text())
 
 
+def median_run(summaries: list[dict]) -> dict:
+    """The per-key median of several runs' summaries (CPU keys included when present)."""
+    return {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--idle-streams", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both paths)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="engine and gateway runs alternate this many times per level; medians are reported (default 3)",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     levels = [int(x) for x in args.concurrency.split(",")]
     configure_logging("console", "warning")
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(default_model_path("target"))
     prompts = heldout_prompts(tok, max(levels), PROMPT_LENGTHS, seed=0)
-    results: dict = {"machine": machine(), "threads": args.threads, "new_tokens": NEW_TOKENS, "levels": {}}
-
-    aengine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE)))
-    aengine.start()
-    try:
-        arun(run_in_process(aengine, prompts[:8]))  # warm-up
-        for n in levels:
-            results["levels"][n] = {"engine": arun(run_in_process(aengine, prompts[:n])).summary()}
-            print(n, "engine", json.dumps(results["levels"][n]["engine"]), flush=True)
-    finally:
-        aengine.shutdown()
-        del aengine
+    results: dict = {
+        "machine": machine(),
+        "threads": args.threads,
+        "new_tokens": NEW_TOKENS,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "levels": {},
+    }
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     procs = []
+    aengine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE)))
+    aengine.start()
     with tempfile.TemporaryDirectory() as tmp:
         # the internal hop as under draftwise serve: one secret, required by the worker, sent by the gateway
         secret = f"--internal-secret-file={write_secret_file(Path(tmp) / 'internal-secret', generate_secret())}"
@@ -219,18 +235,36 @@ def main() -> None:
             gateway, gport = start(gw_args, Path(tmp), "gateway", env)
             procs.append(gateway)
             address = f"127.0.0.1:{gport}"
-            arun(run_gateway(address, prompts[:8]))  # warm-up
+            arun(run_in_process(aengine, prompts[:8]))  # warm-up
+            arun(run_gateway(address, prompts[:8]))
+            # both paths stay up (the idle one sleeps) and alternate, so that a machine whose
+            # load drifts (shared cores) weighs on both alike; medians over the rounds
             for n in levels:
-                cpu0 = {name: cpu_seconds(p.pid) for name, p in (("gateway", gateway), ("worker", worker))}
-                results["levels"][n]["gateway"] = arun(run_gateway(address, prompts[:n])).summary()
-                tokens = results["levels"][n]["gateway"]["output_tokens"]
-                for name, p in (("gateway", gateway), ("worker", worker)):
-                    used = cpu_seconds(p.pid) - cpu0[name]
-                    results["levels"][n]["gateway"][f"{name}_cpu_us_per_token"] = 1e6 * used / tokens
-                print(n, "gateway", json.dumps(results["levels"][n]["gateway"]), flush=True)
+                engine_runs, gateway_runs = [], []
+                for _ in range(args.rounds):
+                    me = os.getpid()  # this process: the engine alone, then the client
+                    c0 = cpu_seconds(me)
+                    e = arun(run_in_process(aengine, prompts[:n])).summary()
+                    e["engine_cpu_us_per_token"] = 1e6 * (cpu_seconds(me) - c0) / e["output_tokens"]
+                    engine_runs.append(e)
+                    who = (("gateway", gateway.pid), ("worker", worker.pid), ("client", me))
+                    cpu0 = {name: cpu_seconds(pid) for name, pid in who}
+                    g = arun(run_gateway(address, prompts[:n])).summary()
+                    for name, pid in who:
+                        g[f"{name}_cpu_us_per_token"] = 1e6 * (cpu_seconds(pid) - cpu0[name]) / g["output_tokens"]
+                    gateway_runs.append(g)
+                kept = [g["tokens_per_s"] / e["tokens_per_s"] for e, g in zip(engine_runs, gateway_runs, strict=True)]
+                results["levels"][n] = {
+                    "engine": median_run(engine_runs),
+                    "gateway": median_run(gateway_runs),
+                    "kept_per_round": kept,
+                    "kept": statistics.median(kept),
+                }
+                print(n, json.dumps(results["levels"][n]), flush=True)
             results["idle"] = arun(idle_streams(address, gateway.pid, args.idle_streams))
             print("idle", json.dumps(results["idle"]), flush=True)
         finally:
+            aengine.shutdown()
             for p in procs:
                 p.terminate()
                 p.wait(30)
@@ -240,36 +274,56 @@ def main() -> None:
     write_section("gateway", render(results))
 
 
+def _cpu_line(v: dict) -> str:
+    e, g = v["engine"], v["gateway"]
+    parts = []
+    if "engine_cpu_us_per_token" in e:
+        parts.append(f"engine alone {e['engine_cpu_us_per_token']:.0f}")
+    parts.append(f"through the gateway: worker {g['worker_cpu_us_per_token']:.0f}")
+    parts.append(f"gateway {g['gateway_cpu_us_per_token']:.0f}")
+    if "client_cpu_us_per_token" in g:
+        parts.append(f"client {g['client_cpu_us_per_token']:.0f}")
+    return ", ".join(parts)
+
+
 def render(r: dict) -> str:
+    rounds = r.get("rounds", 1)
     lines = [
         "## Gateway overhead",
         "",
-        "`python bench/bench_gateway.py`: greedy requests (held-out prompts of "
+        f"Command: `python bench/bench_gateway.py` — {r.get('date', '')}, {r['machine']}",
+        "",
+        "Greedy requests (held-out prompts of "
         f"{PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {r['new_tokens']} new tokens each), one stream per request, "
         "through client -> gateway -> one worker process over gRPC on 127.0.0.1, against the same requests fed "
         f"straight into the in-process engine (`AsyncEngine`, same settings, {r['threads']} torch thread(s)). "
-        f"Machine: {r['machine']}.",
+        f"The two paths alternate {rounds} times per level (both stay up, the idle one sleeps); every figure is "
+        "the median over those rounds, throughput kept the median of the per-round ratios.",
         "",
-        "| streams | engine tok/s | gateway tok/s | throughput kept | engine ITL p50 / p99 (ms) "
+        "| streams | engine tok/s | gateway tok/s | throughput kept (goal >= 95% at 64) | engine ITL p50 / p99 (ms) "
         "| gateway ITL p50 / p99 (ms) | p99 added (ms) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, v in r["levels"].items():
         e, g = v["engine"], v["gateway"]
+        kept = v.get("kept", g["tokens_per_s"] / e["tokens_per_s"])
         lines.append(
-            f"| {n} | {e['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | {100 * g['tokens_per_s'] / e['tokens_per_s']:.1f}% "
+            f"| {n} | {e['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | {100 * kept:.1f}% "
             f"| {e['itl_p50_ms']:.2f} / {e['itl_p99_ms']:.2f} | {g['itl_p50_ms']:.2f} / {g['itl_p99_ms']:.2f} "
             f"| {g['itl_p99_ms'] - e['itl_p99_ms']:+.2f} |"
         )
     lines += [
         "",
-        "CPU per output token through the gateway path (µs, user + system): "
+        "Throughput kept in each round: "
         + ", ".join(
-            f"{n} streams: gateway {v['gateway']['gateway_cpu_us_per_token']:.0f}, "
-            f"worker {v['gateway']['worker_cpu_us_per_token']:.0f}"
+            f"{n} streams: " + " / ".join(f"{100 * k:.0f}%" for k in v.get("kept_per_round", []))
             for n, v in r["levels"].items()
         )
         + ".",
+        "",
+        "CPU per output token (µs, user + system; medians): "
+        + "; ".join(f"{n} streams: {_cpu_line(v)}" for n, v in r["levels"].items())
+        + ". The worker's excess over the engine alone is its gRPC front.",
     ]
     idle = r.get("idle")
     if idle:
@@ -279,14 +333,47 @@ def render(r: dict) -> str:
             f"{idle['rss_before_mb']:.1f} MiB to {idle['rss_after_mb']:.1f} MiB: "
             f"**{idle['kb_per_stream']:.1f} KiB per idle stream**.",
         ]
-    lines += [
-        "",
-        "Goals: at most 5% of throughput lost, at most 1 ms added to p99 inter-token latency. Where they are missed,"
-        " read the CPU line: the gateway path adds three busy processes (the worker's gRPC front, the gateway, the"
-        " client) on the same cores as the engine thread, so on a machine with few cores they take time from the"
-        " engine; the gateway's own share is its CPU per token.",
-    ]
+    lines += ["", EXPLANATION]
+    kept_all = [k for v in r["levels"].values() for k in v.get("kept_per_round", [])]
+    if len(kept_all) > 1:
+        lines += [
+            "",
+            f"Noise: in this run the per-round ratios spread from {100 * min(kept_all):.0f}% to "
+            f"{100 * max(kept_all):.0f}%. A ratio above 100% cannot be the gateway's doing (it only adds work): "
+            "the machine's other load moved between the two paths' runs, so a level's kept figure is only as "
+            "good as that spread, and the CPU per token (which does not depend on who else runs) is the steadier "
+            "measure of what the gateway path costs.",
+        ]
     return "\n".join(lines)
+
+
+EXPLANATION = """\
+Goals: at most 5% of throughput lost (>= 95% kept at 64 streams), at most 1 ms added to p99 inter-token latency.
+
+Where the time goes (py-spy with native frames, sampling the gateway and the worker during 64-stream runs,
+2026-12-01; idle waits in `epoll_wait` left out):
+
+- **The gateway** spends about 100 µs of CPU per output token. Of its busy samples, about 42% are system calls
+  (`sendmsg`, `recv`, the `write` that wakes the event loop from the grpc.aio poller thread), 30% gRPC's C core
+  and Cython layer, 7% the event loop, about 15% its own Python (relay, outbox, replay buffer, metrics) and 5%
+  protobuf. Protobuf allocation is not the cost: parsing a worker delta and serializing it again take 0.3 +
+  0.2 µs (the worker builds and serializes one in 1.1 µs). The client costs about as much again (50-60 µs).
+- **The worker's gRPC front** is about 9% of the worker's busy samples (the engine thread the other 91%); in
+  the CPU line it is the worker's excess over the engine alone, a few tens of µs per token.
+- **One gRPC message per token per hop.** Every request gets one delta per engine step, and each delta is one
+  message on each hop: a write, a completion handed across threads, a read, on each side. Deltas that are
+  already waiting are merged into one message (the gateway's outbox does it for a reader that falls behind),
+  but at steady state nothing waits: an engine step (6 ms at one stream, 40-200 ms at 64-256) is far longer
+  than a send, so there is nothing to merge without adding latency. Trimming the gateway's Python (its
+  replay-bytes gauge is now read when scraped instead of set per delta) shaves its share, not the
+  per-message cost.
+
+So the gateway path asks for about a quarter more CPU per token than the engine alone (gateway, client and the
+worker's front), on the second of 2 cores next to an engine thread that takes a whole one: with that core free
+the engine keeps its pace, and what a level loses is the time other load on the machine takes from either
+core. The remaining lever is on the contract: a worker stream that carries a whole engine step's deltas for all
+of a gateway's requests in one message would cut the worker front's writes and the gateway's reads from one per
+request per step to one per step."""
 
 
 if __name__ == "__main__":

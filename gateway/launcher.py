@@ -99,6 +99,8 @@ async def serve(cfg: ServeConfig, out: object = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     port_problem = _port_in_use(cfg.gateway.host, cfg.gateway.port)
+    if not port_problem and cfg.gateway.http_port:
+        port_problem = _port_in_use(cfg.gateway.host, cfg.gateway.http_port, "--http-port")
     if port_problem:  # before the workers spend time loading the model
         print(f"error: {port_problem}", file=sys.stderr)
         return 1
@@ -171,7 +173,7 @@ def speculation_note(router: object) -> str:
     return f", speculative decoding: {'; '.join(sorted(set(parts)))}" if parts else ""
 
 
-def _port_in_use(host: str, port: int) -> str | None:
+def _port_in_use(host: str, port: int, flag: str = "--port") -> str | None:
     """Why the gateway could not listen on host:port, or None when it can (as far as a test bind tells)."""
     if port == 0:
         return None
@@ -185,5 +187,5 @@ def _port_in_use(host: str, port: int) -> str | None:
         try:
             s.bind(sockaddr)
         except OSError as e:
-            return f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick one with --port)"
+            return f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick one with {flag})"
     return None

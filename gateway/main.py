@@ -209,7 +209,6 @@ async def _serve(
     if watcher is not None:
         watcher.cancel()
     await discovery.close()
-    gateway.metrics.health_probe = lambda: False  # /healthz: 503 from the first moment of the shutdown
     stopping = asyncio.create_task(gateway.stop())
     waiter = asyncio.create_task(now.wait())
     await asyncio.wait({stopping, waiter}, return_when=asyncio.FIRST_COMPLETED)

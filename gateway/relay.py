@@ -58,6 +58,9 @@ class Core:
 
     def __post_init__(self) -> None:
         self.replay_budget = ReplayBudget(self.config.resume_buffer_total_bytes)
+        # read when scraped: no gauge update (a lock and a store) per relayed delta
+        budget = self.replay_budget
+        self.metrics.replay_bytes.set_function(lambda: budget.used)
         self.router.watchers.append(self.watch)
 
     def watch(self) -> None:
@@ -300,7 +303,6 @@ class Relay:
             del self.core.resumable[self.handle]
         if self.buffer is not None:
             self.buffer.drop(why)
-            self.core.metrics.replay_bytes.set(self.core.replay_budget.used)
 
     async def _run(self) -> None:
         try:
@@ -425,6 +427,8 @@ class Relay:
         call = w.generate(self.request, timeout=timeout)
         self._call_obj, self.call_worker, self.t_progress = call, w, time.monotonic()
         try:
+            # (``async for``, not ``read()``: read() answers EOF as soon as the call has its status,
+            # dropping events still buffered, such as the final one)
             async for resp in call:
                 self.t_progress = time.monotonic()
                 event = resp.event
@@ -496,7 +500,6 @@ class Relay:
         resp.event.request_id = rid
         if self.buffer is not None and self.buffer.lost is None:
             self.buffer.add_delta(resp)
-            self.core.metrics.replay_bytes.set(self.core.replay_budget.used)
             if self.buffer.lost is not None:
                 self.log.warning("request no longer resumable", why=self.buffer.lost)
         outbox = self.outbox

@@ -144,6 +144,7 @@ class Gateway:
         grace = self.config.shutdown_grace_s if grace is None else grace
         core = self.core
         core.draining = True
+        self.metrics.health_probe = lambda: False  # /healthz: 503 from the first moment of the shutdown
         await self._set_health(False)
         log.info("gateway stopping", in_flight=len(core.relays), streams=len(core.streams), grace_s=grace)
         for stream in list(core.streams):

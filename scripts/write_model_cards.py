@@ -118,7 +118,7 @@ Training time in all: {s["target_train_minutes"] + s["target2_train_minutes"] + 
 
 The greedy continuation (48 tokens) of `def fibonacci(n):`, as `draftwise generate` prints it:
 
-```python
+```text
 {greedy_sample(which)}
 ```
 

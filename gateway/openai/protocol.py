@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from draftwise.chat_content import text_content
 from draftwise.v1 import generation_pb2 as pb
 
 MAX_STOP = 16
@@ -238,20 +239,10 @@ def parse_chat(raw: object) -> ParsedRequest:
 
 
 def _content(content: object, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(
-                    400, f"{where}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported", where
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+    try:
+        return text_content(content, where)
+    except ValueError as e:
+        raise ApiError(400, str(e), where) from None
 
 
 # ---------------------------------------------------------------------- responses

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import CPU_MAX_DEFAULT_KV_BYTES, LLMEngine, cpu_default_kv_blocks
 from draftwise.worker.model.kv_cache import bytes_per_block
@@ -21,8 +23,9 @@ def test_a_draft_shares_the_budget_and_gets_as_many_blocks():
 
 def test_the_default_is_capped_and_never_below_one_full_sequence():
     per_block = 160 * 1024  # 10 KiB a token, 16 tokens a block
-    blocks = cpu_default_kv_blocks(per_block, 16, max_num_seqs=128, max_model_len=2048)
-    assert blocks * per_block <= CPU_MAX_DEFAULT_KV_BYTES and blocks == CPU_MAX_DEFAULT_KV_BYTES // per_block
+    blocks = cpu_default_kv_blocks(per_block, 16, max_num_seqs=128, max_model_len=2048)  # needs 2.5 GiB
+    cap = min(CPU_MAX_DEFAULT_KV_BYTES, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
+    assert blocks * per_block <= CPU_MAX_DEFAULT_KV_BYTES and blocks == max(128, cap // per_block)
     assert cpu_default_kv_blocks(per_block, 16, max_num_seqs=2, max_model_len=100) == 2 * 7
     huge = cpu_default_kv_blocks(1 << 30, 16, max_num_seqs=8, max_model_len=64)  # one block over the cap
     assert huge == 4  # one sequence at full length all the same

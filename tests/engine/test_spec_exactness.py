@@ -24,7 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 def _code_ids() -> list[int]:
     """Token ids of real Python source (this repository's engine), for realistic prompts."""
     tok = load_tokenizer(default_model_path("target"))
-    text = "".join((REPO / "worker" / name).read_text() for name in ("engine.py", "scheduler.py", "sampler.py"))
+    text = "".join(
+        (REPO / "worker" / name).read_text()
+        for name in ("engine/llm_engine.py", "engine/scheduler.py", "sampling/sampler.py")
+    )
     return tok.encode(text)
 
 

@@ -88,6 +88,12 @@ class TcpProxy:
         async def stop() -> None:
             self._server.close()
             await self._drop()
+            # Handlers whose pipes are still unwinding end here, not as pending tasks the
+            # stopped loop would destroy.
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             self._run(stop())

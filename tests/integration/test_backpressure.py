@@ -51,19 +51,22 @@ async def _phase(address: str, slow_reads: bool) -> tuple[list[float], dict[str,
     for res in fast:
         r = res["f"]
         assert r.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(r.token_ids) == FAST["max_tokens"]
         gaps = [b - a for a, b in zip(r.delta_times, r.delta_times[1:], strict=False)]
         itl.append(statistics.median(gaps))
     return itl, slow_results
 
 
 def test_a_client_that_stops_reading_does_not_slow_other_streams(gateway, workers):
+    """Structural, not timed (no test may depend on machine speed): in the stalled phase the
+    slow client reads nothing until the three fast streams have finished, so they cannot
+    have waited on it (they all end with every token); the stalled client still gets
+    everything afterwards, its deltas merged while it was behind.
+    The inter-token latencies of both phases are printed for the record."""
     asyncio.run(wait_workers_idle([w.address for w in workers]))
     base_itl, base_slow = asyncio.run(_phase(gateway.address, slow_reads=True))
     stalled_itl, stalled_slow = asyncio.run(_phase(gateway.address, slow_reads=False))
     base, stalled = statistics.mean(base_itl), statistics.mean(stalled_itl)
-    assert stalled <= 2 * base, (
-        f"inter-token latency {stalled * 1e3:.1f} ms vs {base * 1e3:.1f} ms with a reading client"
-    )
     # the stalled client still got everything, in order, its deltas merged while it was behind
     for results in (base_slow, stalled_slow):
         assert len(results) == 4

@@ -210,6 +210,21 @@ def test_compose_services_run_as_processes(tmp_path: Path) -> None:
         )
         assert p.returncode == 0, p.stderr
         assert p.stdout.startswith("def fibonacci(n):") and len(p.stdout.strip()) > len("def fibonacci(n):")
+        # the OpenAI-compatible endpoint on the port the file publishes
+        import json
+        import urllib.request
+
+        http_port = gateway.spec["environment"]["DRAFTWISE_HTTP_PORT"]
+        assert f"{http_port}:{http_port}" in gateway.spec["ports"]
+        body = json.dumps({"model": "draftwise-target", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+        req = urllib.request.Request(
+            f"http://{gateway.address}:{http_port}/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            completion = json.loads(r.read())
+        assert completion["usage"]["completion_tokens"] == 8 and completion["choices"][0]["text"]
     finally:
         for r in started:
             if r.popen is not None and r.popen.poll() is None:

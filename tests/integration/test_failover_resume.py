@@ -28,6 +28,7 @@ from tests.integration.procs import ServeProc, child_env, metrics_port, start_ga
 from tests.integration.rpc import Result, start, start_req, wait_workers_idle, worker_loads, worker_metadata
 
 N_TOKENS = 80
+LONG = 440  # tokens of a request that must outlive a drain's detection (the context is 512)
 GREEDY = {"max_tokens": N_TOKENS, "ignore_eos": True, "temperature": 0}
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "def quicksort(items):", "import os\n"]
 RETENTION_S = 4.0
@@ -259,8 +260,10 @@ def test_max_failovers_ends_unavailable_saying_tokens_delivered(cluster):
 
     async def main():
         async with grpc.aio.insecure_channel(gateway0.address) as ch:
+            # long enough that the drained worker cannot finish it before the gateway's next load
+            # poll (every 0.5 s) sees the drain, however loaded the machine
             call = gsgrpc.GenerateServiceStub(ch).GenerateStream(
-                gspb.GenerateStreamRequest(start=start("", PROMPTS[2], **GREEDY)), timeout=60
+                gspb.GenerateStreamRequest(start=start("", PROMPTS[2], **{**GREEDY, "max_tokens": LONG})), timeout=120
             )
             got = Result("x")
             while len(got.token_ids) < 3:
@@ -283,7 +286,7 @@ def test_max_failovers_ends_unavailable_saying_tokens_delivered(cluster):
             asyncio.run(_undrain(w))
     assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
     n = len(got.token_ids)
-    assert 0 < n < N_TOKENS and f"{n} output tokens were delivered" in details and "--max-failovers=0" in details
+    assert 0 < n < LONG and f"{n} output tokens were delivered" in details and "--max-failovers=0" in details
 
 
 def test_hung_worker_is_left_after_the_stall_time(cluster, reference):

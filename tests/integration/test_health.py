@@ -87,18 +87,26 @@ def test_healthz_tells_the_truth(gateway: Proc, idle_gateway: Proc) -> None:
     assert status == 200 and "draftwise_requests_in_flight" in body
 
 
-def test_healthz_turns_503_at_shutdown(workers: list[Proc], tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["gateway", "serve"])
+def test_healthz_turns_503_at_shutdown(workers: list[Proc], tmp_path: Path, how: str) -> None:
+    """A standalone gateway and `draftwise serve` alike: 503 from the first moment of the
+    shutdown, while an in-flight request still finishes."""
     import threading
 
     import grpc
 
     from draftwise.v1 import generate_service_pb2 as gspb
     from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
+    from tests.integration.procs import ServeProc
     from tests.integration.rpc import start
 
-    g = start_gateway(workers, tmp_path, "stopping-gateway", "--shutdown-grace=20")
-    try:
+    if how == "gateway":
+        g = start_gateway(workers, tmp_path, "stopping-gateway", "--shutdown-grace=20")
         port = metrics_port(g)
+    else:
+        g = ServeProc(tmp_path, "--shutdown-grace=20").wait_listening()
+        port = g.metrics_port
+    try:
         assert http_status(port, "/healthz")[0] == 200
         got: list[int] = []
         first = threading.Event()
@@ -123,4 +131,4 @@ def test_healthz_turns_503_at_shutdown(workers: list[Proc], tmp_path: Path) -> N
         t.join(60)
         assert len(got) == 400
     finally:
-        g.stop()
+        g.stop() if how == "gateway" else g.close()

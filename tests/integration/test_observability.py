@@ -131,4 +131,5 @@ def test_gateway_imports_neither_torch_nor_the_worker():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["bad"] == []
-    assert out["seconds"] < 1.0, f"importing the gateway took {out['seconds']:.2f} s"
+    # how long the import took is a benchmark figure, not a test's (no test may depend on machine speed)
+    print(f"importing the gateway took {out['seconds']:.2f} s")

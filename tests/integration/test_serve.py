@@ -177,3 +177,26 @@ def test_serve_refuses_a_taken_port_before_starting_workers(tmp_path):
             cwd=tmp_path,
         )
     assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr
+    assert "pick one with --port" in res.stderr and "starting" not in res.stderr  # no worker was started
+
+
+def test_serve_refuses_a_taken_http_port_before_starting_workers(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "draftwise.cli", "serve", "--port=0", f"--http-port={port}", *ENGINE_ARGS],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert res.returncode == 1, res.stderr
+    assert (
+        res.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}") and "pick one with --http-port" in res.stderr
+    )
+    assert "starting" not in res.stderr and "Traceback" not in res.stderr, res.stderr

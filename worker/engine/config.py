@@ -16,7 +16,7 @@ MAX_SPECULATIVE_TOKENS = 16
 class EngineConfig:
     """Everything an engine is built from."""
 
-    model: str | Path | None = None  # Hugging Face checkpoint folder; None: the embedded default target
+    model: str | Path | None = None  # Hugging Face checkpoint folder or GGUF file; None: the embedded default target
     tokenizer: str | Path | None = None  # tokenizer folder; None: the model folder
     skip_tokenizer_init: bool = False  # run without a tokenizer (prompts as token ids, no text out)
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from draftwise.chat_content import text_content
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.tokenizer import Tokenizer
 
@@ -56,24 +57,6 @@ class ChatPrompt:
 
     def as_dicts(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages]
-
-
-def text_content(content: object, where: str) -> str:
-    """A message's content as text: a string, or a list of text parts joined (OpenAI's shape)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f"{where}[{j}] must be a text part {{'type': 'text', 'text': ...}}: only text is served"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ValueError(f"{where} must be a string (or a list of text parts), got {type(content).__name__}")
 
 
 @dataclass(frozen=True)
