@@ -12,6 +12,17 @@ import structlog
 LogFormat = Literal["auto", "json", "console"]
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is at each write, not the object it was at configuration (a
+    stream swapped and closed since, as pytest's capture does, must not break logging)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
     """Route structlog to stderr as JSON (or console text when ``fmt`` is "console", or
     "auto" on a terminal), dropping lines below ``level``."""
@@ -31,7 +42,7 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
 

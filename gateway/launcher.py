@@ -3,7 +3,8 @@
 The workers run ``python -m draftwise.worker.serving.server`` in their own process group (a
 terminal's Ctrl-C reaches only this process, which then shuts everything down in order)
 with ``--parent-pid``, so they exit by themselves if this process dies without cleaning
-up. The gateway runs in this process: it imports neither torch nor the worker package.
+up. The gateway runs in this process: it imports neither torch nor the worker package. With
+``--device cuda`` each worker gets its own GPU, or a share of one (:func:`device_plan`).
 
 A worker that dies is restarted with backoff, one that dies while starting is given up
 (:mod:`draftwise.gateway.supervisor`); ``serve`` exits 1 only when no worker is left.
@@ -23,8 +24,11 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -66,15 +70,87 @@ class ServeConfig:
     """The gateway (its ``workers`` are filled in with the started workers' addresses)."""
 
 
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1 :]
+    return value
+
+
+def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
+    """``args`` with every ``flag`` removed and ``flag value`` appended."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return (*out, flag, value)
+
+
+def cuda_device_count() -> int:
+    """CUDA devices a worker would see (0 without torch or CUDA). Asked of a child Python, so
+    that this process (the gateway's) never imports torch; called only when a worker is to run
+    on CUDA."""
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
+
+
+def device_plan(
+    worker_args: Sequence[str], num_workers: int, device_count: Callable[[], int] = cuda_device_count
+) -> list[tuple[str, ...]]:
+    """Each worker's flags, so that workers on one machine do not all claim the same GPU.
+
+    With ``--device cuda``, worker ``i`` runs on ``cuda:{i mod D}`` of the D devices it sees.
+    Workers that share a device (more workers than devices, or an explicit ``--device cuda:N``)
+    split its ``--gpu-memory-utilization`` (0.9 unless given) evenly, so that together they
+    use the share one worker would have, never ``N x 0.9`` of the device. An explicit
+    ``--kv-cache-memory-bytes`` or ``--num-kv-blocks`` sizes the KV cache by itself and is left
+    as it is. CPU workers' flags are unchanged."""
+    args = tuple(worker_args)
+    device = _flag_value(args, "--device") or ""
+    if not device.startswith("cuda"):
+        return [args] * num_workers
+    if device == "cuda":
+        n = device_count()
+        if n < 1:  # each worker then reports that CUDA is missing, in its own words
+            return [args] * num_workers
+        devices = [f"cuda:{i % n}" for i in range(num_workers)]
+    else:
+        devices = [device] * num_workers
+    sharers = Counter(devices)
+    util = float(_flag_value(args, "--gpu-memory-utilization") or 0.9)
+    sized = _flag_value(args, "--kv-cache-memory-bytes") is not None or _flag_value(args, "--num-kv-blocks") is not None
+    plan = []
+    for d in devices:
+        a = _with_flag(args, "--device", d)
+        if sharers[d] > 1 and not sized:
+            a = _with_flag(a, "--gpu-memory-utilization", f"{util / sharers[d]:.4f}")
+        plan.append(a)
+    return plan
+
+
 def _worker_procs(cfg: ServeConfig, tmp: Path, secret_file: Path) -> list[WorkerProcess]:
     env = worker_env(cfg.scrub_env, cfg.threads_per_worker, cfg.num_workers)
+    plan = device_plan(cfg.worker_args, cfg.num_workers)
     procs = []
     for i in range(cfg.num_workers):
         # -P: the current directory stays off sys.path, so a source checkout there (whose
         # draftwise/ folder lacks the worker package) cannot shadow the installed package
         args = [sys.executable, "-P", "-m", "draftwise.worker.serving.server", "--host", "127.0.0.1", "--port", "0"]
         args += ["--internal-secret-file", str(secret_file), "--parent-pid", str(os.getpid())]
-        args += ["--log-format", cfg.log_format, "--log-level", cfg.log_level, *cfg.worker_args]
+        args += ["--log-format", cfg.log_format, "--log-level", cfg.log_level, *plan[i]]
         procs.append(WorkerProcess(i, args, env, tmp / f"worker-{i}.port", cfg.restart.stderr_tail_lines))
     return procs
 

@@ -46,23 +46,32 @@ class AttentionMetadata:
         *,
         query_lens: Sequence[int],
         seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]] | torch.Tensor,
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Build from host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens."""
+        """Build from host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens: a list of
+        block ids per sequence, or an int32 ``[S, W]`` tensor already on ``device`` whose rows
+        begin with them (the model runner's persistent rows; the caller checked their lengths)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        for q, s in zip(query_lens, seq_lens, strict=True):
             if q < 1 or q > s:
                 raise ValueError(f"query length {q} must be in [1, seq_len={s}]")
-            if len(table) * block_size < s:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
-        max_blocks = max((len(t) for t in block_tables), default=1) or 1
-        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
-        for i, t in enumerate(block_tables):
-            if t:
-                tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        if isinstance(block_tables, torch.Tensor):
+            if block_tables.shape[1] * block_size < max(seq_lens, default=0):
+                raise ValueError(f"block tables of width {block_tables.shape[1]} cannot hold {max(seq_lens)} tokens")
+            tables = block_tables
+        else:
+            for s, table in zip(seq_lens, block_tables, strict=True):
+                if len(table) * block_size < s:
+                    raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
+            max_blocks = max((len(t) for t in block_tables), default=1) or 1
+            tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+            for i, t in enumerate(block_tables):
+                if t:
+                    tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            tables = tables.to(device)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
@@ -71,12 +80,13 @@ class AttentionMetadata:
         seq_of = torch.repeat_interleave(torch.arange(len(q_t)), q_t)  # [T] sequence of each token
         first = torch.tensor(list(seq_lens), dtype=torch.int64) - q_t  # [S] position of each first new token
         pos = first[seq_of] + torch.arange(int(q_t.sum())) - torch.tensor(qsl[:-1], dtype=torch.int64)[seq_of]  # [T]
-        slots = tables[seq_of, pos // block_size] * block_size + pos % block_size  # [T]
+        seq_of, pos = seq_of.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+        slots = tables[seq_of, pos // block_size].long() * block_size + pos % block_size  # [T]
         return cls(
-            slot_mapping=slots.to(device),
+            slot_mapping=slots,
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=tables.to(device=device, dtype=torch.int32),
+            block_tables=tables,
             block_size=block_size,
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),

@@ -6,6 +6,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from draftwise.worker.model.block_tables import BlockTable, truncate_table
+
+__all__ = ["BlockManager", "BlockPool", "BlockPoolExhausted", "BlockTable"]
+
 
 class BlockPoolExhausted(RuntimeError):
     """No free block (callers check ``num_free`` first; this is a bug guard)."""
@@ -72,7 +76,9 @@ class BlockPool:
 
 
 class BlockManager:
-    """Grows and frees block tables (lists of block ids) for token counts."""
+    """Grows and frees block tables (lists of block ids, :class:`BlockTable` in the engine) for
+    token counts. Tables change only here, at their tail, so the model runner's device copy
+    of each is updated with the changed entries alone."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if block_size < 1:
@@ -109,9 +115,9 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         if len(table) > keep:
             self.pool.release(table[keep:])
-            del table[keep:]
+            truncate_table(table, keep)
 
     def free(self, table: list[int]) -> None:
         """Release every block of ``table`` and empty it."""
         self.pool.release(table)
-        table.clear()
+        truncate_table(table, 0)

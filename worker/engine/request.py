@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from draftwise.worker.model.block_tables import BlockTable
 from draftwise.worker.sampling.sampler import SamplingRow
 from draftwise.worker.sampling.sampling_params import SamplingParams
 
@@ -47,7 +48,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=BlockTable)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

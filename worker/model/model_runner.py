@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from draftwise.kernels import AttentionMetadata, get_attention_backend
+from draftwise.worker.model.block_tables import BlockTableRows
 from draftwise.worker.model.chunk import SequenceChunk
 from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner, graph_unsupported_reason
 from draftwise.worker.model.kv_cache import KVCache
@@ -33,6 +34,8 @@ class ModelRunner:
         self.device = loaded.device
         self.backend = get_attention_backend(loaded.device, prefer_reference)
         self.graph_runner: GraphRunner | None = None  # set by enable_graphs on CUDA
+        self.block_tables = BlockTableRows(self.device)
+        """The block tables of the sequences this runner reads, kept on the device between steps."""
 
     @property
     def block_size(self) -> int:
@@ -72,6 +75,8 @@ class ModelRunner:
                 raise ValueError("a sequence chunk must bring at least one token")
             if not 0 <= c.num_logits <= n:
                 raise ValueError(f"num_logits {c.num_logits} must be in [0, {n}]")
+            if len(c.block_table) * self.block_size < c.start_pos + n:
+                raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {c.start_pos + n} tokens")
             base = len(ids)
             ids.extend(c.token_ids)
             pos.extend(range(c.start_pos, c.start_pos + n))
@@ -82,7 +87,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens=[len(c.token_ids) for c in chunks],
             seq_lens=[c.start_pos + len(c.token_ids) for c in chunks],
-            block_tables=[c.block_table for c in chunks],
+            block_tables=self.block_tables.gather([c.block_table for c in chunks]),
             block_size=self.block_size,
             device=self.device,
         )

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.worker.engine.block_manager import BlockManager
+from draftwise.worker.engine.block_manager import BlockManager, BlockTable
 from draftwise.worker.engine.request import Request
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel
@@ -62,7 +62,7 @@ def _plain_greedy(req: Request, num_drafted: int) -> bool:
 class DraftKV:
     """One request's share of the draft cache."""
 
-    block_table: list[int] = field(default_factory=list)  # blocks of the proposer's pool
+    block_table: list[int] = field(default_factory=BlockTable)  # blocks of the proposer's pool
     num_computed: int = 0  # tokens whose draft KV is in the cache
 
 
