@@ -35,7 +35,8 @@ class BlockTable(list):  # list[int]; a subclass so that every list use of a tab
     def __init__(self, blocks: Iterable[int] = ()) -> None:
         super().__init__(blocks)
         self.copies: dict[BlockTableRows, list[int]] = {}
-        """Per reader: ``[row, synced]``: the reader's row, and how many leading entries it holds."""
+        """Per reader: ``[row, synced, end]``: the reader's row, how many leading entries of it
+        are still this table's, and how many leading entries of the row are not zero."""
 
     def __reduce__(self) -> tuple[type, tuple[list[int]]]:  # copies are per process: never carried
         return (BlockTable, (list(self),))
@@ -58,7 +59,8 @@ class BlockTableRows:
         self.table = torch.zeros(max(1, rows), max(1, width), dtype=torch.int32, device=self.device)
         self._free = list(range(self.table.shape[0] - 1, -1, -1))
         self.entries_written = 0
-        """Block ids copied from host lists into rows so far (tests read it per step)."""
+        """Block ids copied from host lists into rows so far, padding zeros not counted (tests
+        read it per step)."""
 
     def _release(self, row: int) -> None:
         self._free.append(row)
@@ -83,8 +85,9 @@ class BlockTableRows:
         self.table = grown
 
     def gather(self, tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``[len(tables), W]`` int32 on the device: row ``i`` starts with ``tables[i]`` (entries
-        past its length are unspecified: attention reads only the blocks a context covers).
+        """``[len(tables), W]`` int32 on the device: row ``i`` is ``tables[i]`` padded with 0
+        (attention masks what lies past a context; padding with one block keeps the keys a
+        padded gather reads in cache, where stale ids would each fetch a block of their own).
         ``W`` is the longest table rounded up to a power of two, so that the width, and what
         decode attention sizes from it, follows the step's longest context in a few buckets."""
         longest = max((len(t) for t in tables), default=1) or 1
@@ -99,21 +102,25 @@ class BlockTableRows:
             if isinstance(t, BlockTable):
                 copy = t.copies.get(self)
                 if copy is None:
-                    copy = t.copies[self] = [self._take_row(), 0]
+                    copy = t.copies[self] = [self._take_row(), 0, self.table.shape[1]]  # a reused row: stale
                     weakref.finalize(t, self._release, copy[0])
-                row, start = copy
-                copy[1] = len(t)
+                row, start, end = copy
+                copy[1] = copy[2] = len(t)
             else:
-                row, start = self._take_row(), 0
+                row, start, end = self._take_row(), 0, self.table.shape[1]
                 scratch.append(row)
             n = len(t) - start
             if n > 0:
+                self.entries_written += n
                 put_rows.extend([row] * n)
                 put_cols.extend(range(start, len(t)))
                 put_vals.extend(t[start:])
+            if end > len(t):  # entries past the table read as block 0, as a fresh padded table would
+                put_rows.extend([row] * (end - len(t)))
+                put_cols.extend(range(len(t), end))
+                put_vals.extend([0] * (end - len(t)))
             rows.append(row)
         if put_vals:
-            self.entries_written += len(put_vals)
             index = torch.tensor([put_rows, put_cols], dtype=torch.int64).to(self.device, non_blocking=True)
             values = torch.tensor(put_vals, dtype=torch.int32).to(self.device, non_blocking=True)
             self.table.index_put_((index[0], index[1]), values)
