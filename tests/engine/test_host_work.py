@@ -120,7 +120,8 @@ def test_rows_follow_tail_changes() -> None:
     assert rows.gather([b, a])[1, :4].tolist() == [5, 6, 9, 10] and rows.entries_written == 7
     truncate_table(a, 0)
     a.extend([3])
-    assert rows.gather([a])[0].tolist() == [3, 0, 0, 0] and rows.entries_written == 8  # the old tail zeroed
+    assert rows.gather([a]).tolist() == [[3]] and rows.entries_written == 8  # width: the longest table
+    assert rows.table[a.copies[rows][0], :4].tolist() == [3, 0, 0, 0]  # the old tail zeroed in the row
     c, d = BlockTable(range(40)), [2, 4]  # more rows and columns than at the start; a plain list
     got = rows.gather([a, b, c, d])
     assert got.shape == (4, 64) and got[2, :40].tolist() == list(range(40)) and got[3, :2].tolist() == [2, 4]
