@@ -221,15 +221,18 @@ def test_async_stream_and_cancel(llm):
             assert d.first_token_index == len(got)
             got.extend(d.token_ids)
             text.append(d.text)
-        # cancel mid-stream: leave the loop early
+        # cancel mid-stream: close the stream early; its abort is queued on the engine thread
+        # and commands run in order, so once a later command has run the blocks are free
         n = 0
-        async for _ in aengine.generate(
+        gen = aengine.generate(
             "s2", "def fibonacci(n):", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        ):
+        )
+        async for _ in gen:
             n += 1
             if n == 3:
                 break
-        await asyncio.sleep(0.2)
+        await gen.aclose()
+        assert await aengine.call(lambda e: e.blocks.num_free_blocks) == idle
         with pytest.raises(ValueError, match="prompt is empty"):
             async for _ in aengine.generate("s3", "", GREEDY):
                 pass

@@ -130,4 +130,5 @@ def test_past_the_bound_a_slow_readers_requests_get_resource_exhausted(tight_gat
         if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             assert "not reading" in r.final.error.message and len(r.token_ids) < SLOW["max_tokens"]
     assert single_code == grpc.StatusCode.RESOURCE_EXHAUSTED and single_events > 0
-    asyncio.run(wait_workers_idle([w.address for w in workers]))  # the cancelled requests freed their blocks
+    # the cancelled requests freed their blocks
+    asyncio.run(wait_workers_idle([w.address for w in workers], timeout=30))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -25,8 +26,11 @@ from draftwise_client._proto import generation_pb2 as pb  # noqa: E402
 from draftwise_client._resume import Progress, is_transport_error, resume_outcome  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
-GREEDY = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=96, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+TOKENS = 450
+"""Several seconds of tokens: a request is surely still running (its tokens not all sent to the
+client yet) when the proxy resets the connection, however fast the machine."""
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=TOKENS, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
 FAST = ResumePolicy(initial_backoff_s=0.01, max_backoff_s=0.2)
 DROP_AFTER = 3
 """Deltas with tokens the caller reads before the proxy resets the connection."""
@@ -53,6 +57,18 @@ def _undisturbed(address: str, prompt: str, params: SamplingParams) -> tuple[lis
     return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
 
 
+def _undisturbed_meanwhile(
+    address: str, cases: list[tuple[str, SamplingParams]]
+) -> Callable[[], list[tuple[list[int], str]]]:
+    """Start the undisturbed runs of ``cases`` at once, in threads, straight to the gateway, while
+    the test runs its own (a request's output does not depend on what else runs); call the
+    result to wait for their outputs."""
+    pool = ThreadPoolExecutor(len(cases))
+    futures = [pool.submit(_undisturbed, address, prompt, params) for prompt, params in cases]
+    pool.shutdown(wait=False)
+    return lambda: [f.result(timeout=120) for f in futures]
+
+
 def _check_contiguous(deltas: list[Delta]) -> None:
     n = 0
     for d in deltas[:-1]:
@@ -63,7 +79,7 @@ def _check_contiguous(deltas: list[Delta]) -> None:
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_blocking_generate_resumes_after_a_dropped_connection(gateway, proxy, params, caplog):
-    ref_ids, ref_text = _undisturbed(gateway.address, PROMPT, params)
+    refs = _undisturbed_meanwhile(gateway.address, [(PROMPT, params)])
     caplog.set_level(logging.INFO, logger="draftwise_client")
     deltas: list[Delta] = []
     with Client(proxy.address, resume=FAST) as client:
@@ -71,6 +87,7 @@ def test_blocking_generate_resumes_after_a_dropped_connection(gateway, proxy, pa
             deltas.append(d)
             if sum(1 for x in deltas if x.token_ids) == DROP_AFTER and not proxy.drops:
                 assert proxy.drop() == 1
+    ((ref_ids, ref_text),) = refs()
     _check_contiguous(deltas)
     assert deltas[0].resume_handle, "the first delta carries no resume handle"
     assert [t for d in deltas for t in d.token_ids] == ref_ids
@@ -80,7 +97,7 @@ def test_blocking_generate_resumes_after_a_dropped_connection(gateway, proxy, pa
 
 
 def test_async_generate_resumes_after_a_dropped_connection(gateway, proxy):
-    ref_ids, ref_text = _undisturbed(gateway.address, PROMPT, GREEDY)
+    refs = _undisturbed_meanwhile(gateway.address, [(PROMPT, GREEDY)])
 
     async def main() -> list[Delta]:
         out: list[Delta] = []
@@ -92,6 +109,7 @@ def test_async_generate_resumes_after_a_dropped_connection(gateway, proxy):
         return out
 
     deltas = asyncio.run(main())
+    ((ref_ids, ref_text),) = refs()
     _check_contiguous(deltas)
     assert [t for d in deltas for t in d.token_ids] == ref_ids
     assert "".join(d.text for d in deltas) == ref_text
@@ -104,7 +122,7 @@ async def _rest(stream: AsyncIterator[Delta]) -> list[Delta]:
 def test_session_resumes_every_request_of_a_dropped_stream(gateway, proxy):
     prompts = [PROMPT, "class Stack:", "import os\n\n\ndef list_files(path):"]
     cases = [(p, params) for p in prompts for params in (GREEDY, SEEDED)]
-    refs = [_undisturbed(gateway.address, p, params) for p, params in cases]
+    refs = _undisturbed_meanwhile(gateway.address, cases)
 
     async def main() -> tuple[list[list[Delta]], list[int], int]:
         async with AsyncClient(proxy.address, resume=FAST) as client, client.session(timeout=90) as s:
@@ -115,7 +133,7 @@ def test_session_resumes_every_request_of_a_dropped_stream(gateway, proxy):
             return [[f, *r] for f, r in zip(firsts, rests, strict=True)], [st.resumes for st in streams], s.reconnects
 
     outs, resumes, reconnects = asyncio.run(main())
-    for deltas, (ref_ids, ref_text) in zip(outs, refs, strict=True):
+    for deltas, (ref_ids, ref_text) in zip(outs, refs(), strict=True):
         _check_contiguous(deltas)
         assert [t for d in deltas for t in d.token_ids] == ref_ids
         assert "".join(d.text for d in deltas) == ref_text
@@ -126,7 +144,7 @@ def test_session_sends_again_a_request_that_had_no_delta_when_the_stream_broke(g
     """The stream is reset right after the start was written: the request has (almost always)
     no delta yet, so no handle, and the session sends it again on the new stream; if its first
     delta did arrive, it is resumed. Either way: once, and exactly the undisturbed output."""
-    ref_ids, ref_text = _undisturbed(gateway.address, PROMPT, SEEDED)
+    refs = _undisturbed_meanwhile(gateway.address, [(PROMPT, SEEDED)])
 
     async def main() -> tuple[list[Delta], int, int]:
         async with AsyncClient(proxy.address, resume=FAST) as client, client.session(timeout=60) as s:
@@ -135,6 +153,7 @@ def test_session_sends_again_a_request_that_had_no_delta_when_the_stream_broke(g
             return await _rest(st), st.attempts, st.resumes
 
     deltas, attempts, resumes = asyncio.run(main())
+    ((ref_ids, ref_text),) = refs()
     _check_contiguous(deltas)
     assert [t for d in deltas for t in d.token_ids] == ref_ids and "".join(d.text for d in deltas) == ref_text
     assert attempts + resumes == 2, (attempts, resumes)

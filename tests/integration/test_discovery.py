@@ -23,7 +23,7 @@ import pytest
 
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, child_env, metrics_port, secret_args, start_gateway
-from tests.integration.rpc import run_stream, scrape_metrics, start
+from tests.integration.rpc import Result, run_stream, scrape_metrics, start, start_req, worker_loads
 
 NAME = "workers.draftwise.test"
 
@@ -94,18 +94,34 @@ def complete(address: str, request_id: str, max_tokens: int = 8) -> dict:
     return asyncio.run(main())
 
 
-def long_requests_while(gateway: Proc, action: Callable[[], None], n: int = 2, tokens: int = 150) -> dict:
+LONG = 450  # tokens: surely still running when the test acts (the context is 512)
+
+
+def long_requests_while(
+    gateway: Proc, action: Callable[[], None], busy: str = "", n: int = 2, tokens: int = LONG
+) -> dict:
     """``n`` greedy requests on one stream (least-loaded routing spreads them over the workers);
-    ``action`` runs once they are under way; every request's result."""
+    ``action`` runs once every one of them has streamed a few tokens (and, given ``busy``, right
+    after the worker at that address said it runs one); every request's result."""
 
     async def main() -> dict:
         async with grpc.aio.insecure_channel(gateway.address) as ch:
-            stub = gsgrpc.GenerateServiceStub(ch)
-            starts = [start(f"long{i}", max_tokens=tokens, temperature=0, ignore_eos=True) for i in range(n)]
-            task = asyncio.create_task(run_stream(stub, starts))
-            await asyncio.sleep(0.5)
+            call = gsgrpc.GenerateServiceStub(ch).Generate(timeout=120)
+            results = {f"long{i}": Result(f"long{i}") for i in range(n)}
+            for rid in results:
+                await call.write(start_req(start(rid, max_tokens=tokens, temperature=0, ignore_eos=True)))
+            while not all(len(r.token_ids) >= 3 for r in results.values()):
+                ev = (await call.read()).event
+                results[ev.request_id].add(ev)
+            if busy:
+                (load,) = await worker_loads([busy])
+                assert load.num_requests_running == 1, load
             await asyncio.to_thread(action)
-            return await task
+            await call.done_writing()
+            while (resp := await call.read()) != grpc.aio.EOF:
+                results[resp.event.request_id].add(resp.event)
+            assert await call.code() == grpc.StatusCode.OK
+            return results
 
     return asyncio.run(main())
 
@@ -144,9 +160,9 @@ def test_gateway_discovers_and_drops_workers(tmp_path: Path) -> None:
         wait_for("the second worker joins", lambda: healthy_workers(mport).get(addr[1]) == 1.0)
 
         # the first leaves the name while it runs a request: the request finishes there, then it is dropped
-        drained = long_requests_while(gateway, lambda: write_hosts(hosts_file, hosts[1:2]))
+        drained = long_requests_while(gateway, lambda: write_hosts(hosts_file, hosts[1:2]), busy=addr[0])
         for r in drained.values():
-            assert r.kind == "finished" and len(r.token_ids) == 150, r.final
+            assert r.kind == "finished" and len(r.token_ids) == LONG, r.final
         wait_for("the first worker is dropped", lambda: addr[0] not in healthy_workers(mport))
         assert healthy_workers(mport) == {addr[1]: 1.0}
         events = [e for e in gateway.log_events() if e.get("worker") == addr[0]]
@@ -164,7 +180,8 @@ def test_gateway_discovers_and_drops_workers(tmp_path: Path) -> None:
             workers[1].kill()
             write_hosts(hosts_file, hosts[2:])
 
-        moved = long_requests_while(gateway, kill_second)
+        # it runs one of them when it dies, hundreds of tokens short of the end: the kill cuts it
+        moved = long_requests_while(gateway, kill_second, busy=addr[1])
         for rid, r in moved.items():
             assert r.kind == "finished", r.final
             assert r.token_ids == drained[rid].token_ids  # greedy: token for token what an undisturbed run gives

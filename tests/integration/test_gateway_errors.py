@@ -88,7 +88,7 @@ def test_random_bytes_on_generate_end_the_call_with_invalid_argument(gateway, wo
     assert after.get(key, 0) - before.get(key, 0) >= len(blobs)
     lines = [e for e in gateway.log_events() if e.get("event") == "malformed message; ending the call"]
     assert len(lines) >= len(blobs)
-    asyncio.run(wait_workers_idle([w.address for w in workers], timeout=10))  # the aborted requests freed all
+    asyncio.run(wait_workers_idle([w.address for w in workers], timeout=30))  # the aborted requests freed all
 
 
 @pytest.mark.parametrize("method", ["GenerateStream", "ListModels"])

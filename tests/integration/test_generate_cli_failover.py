@@ -1,6 +1,7 @@
 """``draftwise generate --server`` survives ``kill -9`` of the worker serving it: under a real
 ``draftwise serve --workers 2``, the command streams a greedy completion, the worker running
-it is SIGKILLed mid-stream (found by asking each worker's GetLoad), and the command still
+it is SIGKILLed mid-stream (found by asking each worker's GetLoad, and SIGSTOPped at once so
+that it cannot finish the request meanwhile), and the command still
 exits 0 having printed exactly the text of an undisturbed run: no break, nothing repeated.
 It also resumes after its connection is reset (a TCP proxy on 127.0.0.1 in between), and
 gives up with exit 1 once the server cannot be reached again."""
@@ -23,7 +24,9 @@ from tests.integration.rpc import worker_loads
 from tests.integration.tcp_proxy import TcpProxy
 
 PROMPT = "def fibonacci(n):"
-MAX_TOKENS = 160
+MAX_TOKENS = 450
+"""Long enough (with ``--ignore-eos``; max_model_len is 512) that the request surely still
+runs when a test disturbs it, on a machine several times faster than ours."""
 PRINTED_BEFORE_KILL = 24
 """Bytes of completion (past the prompt) the command prints before its worker is killed."""
 
@@ -61,17 +64,21 @@ def _read_some(proc: subprocess.Popen) -> bytes:
     return printed
 
 
-def _serving_worker(serve: ServeProc) -> tuple[str, int]:
-    """Name and pid of the one worker running a request (polled until there is one)."""
+def _stop_serving_worker(serve: ServeProc) -> tuple[str, int]:
+    """Name and pid of the one worker running a request (polled until there is one), which
+    is SIGSTOPped right after the GetLoad that found it busy, so that it cannot finish the
+    request before the caller kills it."""
     secret = read_secret_file(serve.secret_file())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         ready = serve.ready_workers()
         names = sorted(ready)
         loads = asyncio.run(worker_loads([ready[n]["address"] for n in names], secret))
         busy = [n for n, lo in zip(names, loads, strict=True) if lo.num_requests_running]
         if len(busy) == 1:
-            return busy[0], int(ready[busy[0]]["pid"])
+            pid = int(ready[busy[0]]["pid"])
+            os.kill(pid, signal.SIGSTOP)
+            return busy[0], pid
         time.sleep(0.02)
     raise AssertionError("no single worker is running the request")
 
@@ -80,9 +87,9 @@ def test_generate_survives_kill_9_of_its_worker(serve, expected):
     proc = subprocess.Popen(_command(serve.address), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         printed = _read_some(proc)
-        name, pid = _serving_worker(serve)
+        name, pid = _stop_serving_worker(serve)
         restarts = serve.ready_workers()[name]["restarts"]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)  # (a stopped process dies of SIGKILL too)
         killed_at = time.monotonic()
         rest, err = proc.communicate(timeout=180)
     finally:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from tests.integration.procs import CLIENT_DIR, ROOT, ServeProc
 from tests.integration.tcp_proxy import TcpProxy
 
 sys.path.insert(0, str(CLIENT_DIR))
-from draftwise_client import Client, SamplingParams  # noqa: E402
+from draftwise_client import Client, Completion, SamplingParams  # noqa: E402
 
 GO_DIR = ROOT / "clients" / "go"
 MODULE = "github.com/draftwise/draftwise/clients/go"
@@ -34,8 +35,9 @@ GO_MISSING = (
 )
 MAX_TOKENS = 16
 PROMPT = "def fibonacci(n):"
-RECONNECT_TOKENS = 200
-"""Long enough that the request is still running when the connection is reset after 3 deltas."""
+RECONNECT_TOKENS = 450
+"""Several seconds of tokens: the request is surely still running (not all its tokens sent to the
+paused client yet) when the connection is reset after 3 deltas, however fast the machine."""
 
 
 def require(tool: str, env: str, missing: str) -> str:
@@ -149,10 +151,20 @@ def check_example_output(stdout: str, server: str, max_tokens: int = MAX_TOKENS)
     assert list(py.token_ids) == streamed["token_ids"] and py.text == streamed["text"]
 
 
+def complete(address: str, params: SamplingParams) -> Completion:
+    with Client(address) as client:
+        return client.complete(PROMPT, params, timeout=120)
+
+
 def check_reconnect(cmd: list[str], serve: ServeProc) -> None:
     """Run an example's reconnect scenario (flags in --name form, which Go's flag package takes
     too) through a TCP proxy that resets the connection after the third delta: the client
-    resumes by itself and gets exactly the undisturbed tokens, indices contiguous from 0."""
+    resumes by itself and gets exactly the undisturbed tokens, indices contiguous from 0 (what
+    the Python client gets for the same request, asked meanwhile straight from the server)."""
+    pool = ThreadPoolExecutor(1)
+    params = SamplingParams(max_tokens=RECONNECT_TOKENS, temperature=0, ignore_eos=True)
+    undisturbed = pool.submit(complete, serve.address, params)
+    pool.shutdown(wait=False)
     proxy = TcpProxy(serve.port)
     args = ["--server", proxy.address, "--json", "--pause-after", "3", "--max-tokens", str(RECONNECT_TOKENS)]
     proc = subprocess.Popen(
@@ -179,8 +191,7 @@ def check_reconnect(cmd: list[str], serve: ServeProc) -> None:
     assert r["finish_reason"] == "FINISH_REASON_LENGTH" and not r.get("error"), r
     assert r["completion_tokens"] == len(r["token_ids"]) == RECONNECT_TOKENS, r
     assert_contiguous(r)
-    with Client(serve.address) as client:
-        py = client.complete(PROMPT, SamplingParams(max_tokens=RECONNECT_TOKENS, temperature=0, ignore_eos=True))
+    py = undisturbed.result(timeout=120)
     assert r["token_ids"] == list(py.token_ids) and r["text"] == py.text
 
 

@@ -16,6 +16,7 @@ from tests.integration.procs import Proc, metrics_port, start_gateway
 from tests.integration.rpc import scrape_metrics, start, start_req
 
 GAUGE = "draftwise_replay_buffer_bytes"
+N_TOKENS = 450  # surely still running when scraped at its 3rd delta (the context is 512)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_replay_gauge_follows_the_buffers(resumable_gateway: Proc) -> None:
     async def main() -> tuple[float, list[tuple[int, int]], str]:
         async with grpc.aio.insecure_channel(resumable_gateway.address) as ch:
             call = gsgrpc.GenerateServiceStub(ch).Generate()
-            await call.write(start_req(start("g", max_tokens=96, ignore_eos=True, temperature=0)))
+            await call.write(start_req(start("g", max_tokens=N_TOKENS, ignore_eos=True, temperature=0)))
             await call.done_writing()
             spans: list[tuple[int, int]] = []
             held = -1.0
@@ -51,5 +52,5 @@ def test_replay_gauge_follows_the_buffers(resumable_gateway: Proc) -> None:
     assert held > 0, "a running resumable request holds replay bytes"
     # token indices exact: every delta starts where the previous one ended
     assert [first for first, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
-    assert sum(n for _, n in spans) == 96
+    assert sum(n for _, n in spans) == N_TOKENS
     assert scrape_metrics(port)[GAUGE] == 0, "a finished request's buffer is dropped"

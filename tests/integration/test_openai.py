@@ -52,7 +52,7 @@ class Server:
     def worker_addresses(self) -> list[str]:
         return [e["address"] for e in self.serve.ready_workers().values()]
 
-    def wait_idle(self, timeout: float = 10.0) -> float:
+    def wait_idle(self, timeout: float = 30.0) -> float:
         secret = read_secret_file(self.serve.secret_file())
         t0 = time.monotonic()
         while True:  # wait_workers_idle, with this serve's own secret

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -70,13 +71,28 @@ async def _generate(
     return grpc.StatusCode.OK, toks, ""
 
 
+RST_STREAM = "INTERNAL_RST_STREAM"
+"""What a call with a very short deadline may end with instead of DEADLINE_EXCEEDED: the
+server's deadline fired first and reset the HTTP/2 stream, which the client's gRPC core
+reports as INTERNAL "Internal error from Core" (as in tests/reliability/conftest.py)."""
+
+
+def _outcome(code: grpc.StatusCode, details: str) -> str:
+    """The name of a call's status; RST_STREAM for the transport's deadline race."""
+    if code == grpc.StatusCode.INTERNAL and details == "Internal error from Core":
+        return RST_STREAM
+    return code.name
+
+
 def _alive(p: Proc) -> bool:
     return p.popen.poll() is None
 
 
 def test_millisecond_deadlines_next_to_running_streams(fault_workers):
     """Defect 2 over gRPC: GenerateStream calls with 5-30 ms deadlines while other requests ran
-    killed the engine thread; every stream then ended UNAVAILABLE."""
+    killed the engine thread; every stream then ended UNAVAILABLE. Now each short call ends
+    DEADLINE_EXCEEDED or OK (or the transport's reset, when the server's deadline wins the
+    race), the running streams complete, and the same process serves the next request."""
 
     async def main(w: Proc):
         rng = random.Random(2)
@@ -98,13 +114,14 @@ def test_millisecond_deadlines_next_to_running_streams(fault_workers):
     for w in fault_workers:
         pid = w.popen.pid
         short, long, after = asyncio.run(main(w))
-        codes = {c for c, _, _ in short}
-        assert codes <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}, codes
-        assert grpc.StatusCode.DEADLINE_EXCEEDED in codes
+        outcomes = [_outcome(c, d) for c, _, d in short]
+        print(f"{w.name}: millisecond-deadline outcomes {dict(Counter(outcomes))}")
+        assert set(outcomes) <= {"DEADLINE_EXCEEDED", "OK", RST_STREAM}, short
+        assert "DEADLINE_EXCEEDED" in outcomes or RST_STREAM in outcomes  # some deadlines struck
         assert all(c == grpc.StatusCode.OK and len(t) == LONG["max_tokens"] for c, t, _ in long), long
         assert after[0] == grpc.StatusCode.OK and len(after[1]) == 8
         assert _alive(w) and w.popen.pid == pid
-        asyncio.run(wait_workers_idle([w.address], timeout=5))
+        asyncio.run(wait_workers_idle([w.address], timeout=30))
 
 
 def test_mixed_greedy_and_sampled_under_draft_speculation(fault_workers):
@@ -129,7 +146,7 @@ def test_mixed_greedy_and_sampled_under_draft_speculation(fault_workers):
     assert all(c == grpc.StatusCode.OK for c, _, _ in results), results
     assert len(results[0][1]) == 64 and len(results[1][1]) == 4
     assert _alive(w)
-    asyncio.run(wait_workers_idle([w.address], timeout=5))
+    asyncio.run(wait_workers_idle([w.address], timeout=30))
 
 
 def test_a_multi_megabyte_prompt_is_refused_without_stalling_the_worker(fault_workers):
@@ -158,4 +175,4 @@ def test_a_multi_megabyte_prompt_is_refused_without_stalling_the_worker(fault_wo
     assert long[0] == grpc.StatusCode.OK and len(long[1]) == LONG["max_tokens"]
     print(f"3.9 MB prompt refused after {refused_s:.3f} s; longest gap between the other stream's deltas {gap:.3f} s")
     assert _alive(w)
-    asyncio.run(wait_workers_idle([w.address], timeout=5))
+    asyncio.run(wait_workers_idle([w.address], timeout=30))

@@ -26,8 +26,9 @@ VOCAB_SIZE = json.loads((ROOT / "worker/default_models/target/config.json").read
 BIDI_BATCH = 40
 """Requests per multiplexed stream."""
 CALL_TIMEOUT_S = 60.0
-RAW_TIMEOUT_S = 5.0
-"""Deadline of calls carrying undecodable bytes: a call still open then has hung."""
+RAW_TIMEOUT_S = 30.0
+"""Deadline of calls carrying undecodable bytes: a call still open then has hung (generous:
+they run at concurrency 32 beside multi-megabyte messages, on a gateway that may be backlogged)."""
 
 OK, ABORT, NO_EVENT, MISSING = "OK", "ABORT", "NO_EVENT", "MISSING"
 IA, DE = "INVALID_ARGUMENT", "DEADLINE_EXCEEDED"

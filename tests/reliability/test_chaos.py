@@ -44,7 +44,7 @@ SESSION_SIZE = 5
 NUM_DROPS = 20
 """Client connections reset mid-stream (10 GenerateStream calls, 10 sessions)."""
 MIN_KILLS = 5
-MAX_CHAOS_PASSES = 4
+MAX_CHAOS_PASSES = 8
 """The chaos run repeats (each pass checked against the reference on its own) until the
 kills add up to MIN_KILLS: on a fast machine one pass of the 200 streams ends before five
 kills fit, since a killed worker needs wall-clock seconds to come back whatever the speed."""

@@ -27,7 +27,11 @@ from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from tests.integration.procs import ServeProc
 from tests.integration.rpc import Result, start, start_req
 
-LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+LONG = {"max_tokens": 450, "ignore_eos": True, "temperature": 0}
+"""The streams placed one per worker before the kill: long enough (max_model_len is 512) that
+the first surely still runs when the second is placed, on a machine several times faster."""
+EXTRA = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+"""The streams after the restart (the short requests running meanwhile land there too)."""
 SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}
 BACK_WITHIN_S = 60.0
 """The issue's bound: a killed worker is back and serving within a minute."""
@@ -127,7 +131,7 @@ def test_sigkill_a_worker_under_load(serve, victim):
             extra = [stub.Generate(timeout=120) for _ in range(2)]
             extra_results = [Result(f"x{i}") for i in range(2)]
             for i, call in enumerate(extra):
-                await call.write(start_req(start(f"x{i}", f"# x{i}\nclass A:", **LONG)))
+                await call.write(start_req(start(f"x{i}", f"# x{i}\nclass A:", **EXTRA)))
                 await call.done_writing()
             for call, r in zip(extra, extra_results, strict=True):
                 await _read(call, r, until_tokens=2)
