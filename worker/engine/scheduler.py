@@ -105,8 +105,10 @@ class Scheduler:
             self.on_release(req)
 
     def schedule(self, lookahead: Callable[[Request, int], int] | None = None) -> SchedulerOutput:
-        """The next step's batch. ``lookahead(request, batch_size)``: draft tokens a decoding
-        request wants verified this step (speculative decoding; None: none)."""
+        """The next step's batch: running requests first (oldest first), then waiting ones
+        (first come, first served), then draft positions for decoding requests with what budget
+        is left. ``lookahead(request, batch_size)``: draft tokens a decoding request wants
+        verified this step (speculative decoding; None: none)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -118,10 +120,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
-        if lookahead is not None and budget > 0 and not out.preempted:
-            budget = self._add_drafts(out, budget, lookahead)
         if out.preempted:
-            return out  # memory is short: admit nobody this step
+            return out  # memory is short: admit nobody this step, and grant no drafts
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             n = req.num_uncomputed_tokens
@@ -135,6 +135,9 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+        # drafts last: a waiting request's prompt is work the client is owed, a draft only a guess
+        if lookahead is not None and budget > 0:
+            self._add_drafts(out, budget, lookahead)
         return out
 
     def _add_drafts(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Request, int], int]) -> int:
