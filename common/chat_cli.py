@@ -10,8 +10,13 @@ the other (no prompt), so a script can pipe a conversation through it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -95,6 +100,62 @@ def _channel(args: argparse.Namespace) -> Any:
     return grpc.insecure_channel(args.server)
 
 
+@contextlib.contextmanager
+def sigint_reaches_main() -> Iterator[None]:
+    """Make Ctrl-C interrupt the main thread even when the kernel hands SIGINT to another one.
+
+    The terminal's SIGINT is sent to the process, and the kernel may deliver it to any thread
+    that does not block it: gRPC's threads among them. Python then only flags it; a main thread
+    blocked in readline's select() at the prompt is never woken and Ctrl-C does nothing (a test
+    caught it once in CI; tests/integration/test_chat.py sends SIGINT to a gRPC thread to show it). Here every SIGINT also writes a byte to a pipe
+    (``signal.set_wakeup_fd``); a thread that blocks SIGINT itself reads it and sends SIGINT to
+    the main thread (``pthread_kill``), which interrupts the select. A SIGINT within half a
+    second of one already handled is the same key press arriving twice and is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    main = threading.main_thread().ident
+    last = [float("-inf")]
+    own = [0]
+
+    def on_sigint(signum: int, frame: Any) -> None:  # noqa: ARG001 - a signal handler's signature
+        now = time.monotonic()
+        if now - last[0] < 0.5:
+            return
+        last[0] = now
+        raise KeyboardInterrupt
+
+    def forward() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        with contextlib.suppress(OSError), contextlib.closing(os.fdopen(r, "rb", buffering=0)) as pipe:
+            while data := pipe.read(64):
+                for sig in data:
+                    if sig != signal.SIGINT:
+                        continue
+                    if own[0]:  # the byte of a SIGINT sent by this thread
+                        own[0] -= 1
+                        continue
+                    own[0] += 1
+                    signal.pthread_kill(main, signal.SIGINT)
+
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    forwarder = threading.Thread(target=forward, name="sigint-forward", daemon=True)
+    forwarder.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        os.close(w)  # the forwarding thread reads what is left, then EOF, and ends
+        forwarder.join(1.0)
+        # a SIGINT it forwarded for the key press that ended the loop is dispatched to on_sigint
+        # (and ignored as a repeat) while Python code runs here, before the old handler is back
+        (lambda: None)()
+        signal.signal(signal.SIGINT, previous_handler)
+
+
 def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
     import grpc
 
@@ -157,6 +218,8 @@ def run_chat(args: argparse.Namespace, api_key_env: str) -> int:
                 import readline  # noqa: F401  (line editing and history for input lines)
 
                 print(f"chatting with {args.server} (Ctrl-D or Ctrl-C to quit)", file=sys.stderr)
+                with sigint_reaches_main():
+                    return _loop(Chat(args, channel, metadata), interactive, sys.stdin, sys.stdout)
             return _loop(Chat(args, channel, metadata), interactive, sys.stdin, sys.stdout)
     except KeyboardInterrupt:
         sys.stdout.write("\n")
