@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -106,54 +105,44 @@ def sigint_reaches_main() -> Iterator[None]:
 
     The terminal's SIGINT is sent to the process, and the kernel may deliver it to any thread
     that does not block it: gRPC's threads among them. Python then only flags it; a main thread
-    blocked in readline's select() at the prompt is never woken and Ctrl-C does nothing (a test
-    caught it once in CI; tests/integration/test_chat.py sends SIGINT to a gRPC thread to show it). Here every SIGINT also writes a byte to a pipe
-    (``signal.set_wakeup_fd``); a thread that blocks SIGINT itself reads it and sends SIGINT to
-    the main thread (``pthread_kill``), which interrupts the select. A SIGINT within half a
-    second of one already handled is the same key press arriving twice and is ignored."""
+    blocked in readline's select() at the prompt is never woken and Ctrl-C does nothing (it
+    happened once in CI; tests/integration/test_chat.py sends SIGINT to a gRPC thread to show
+    it). Here every signal also writes its number to a pipe (``signal.set_wakeup_fd``); a
+    thread that blocks the signals itself reads it and, for SIGINT, sends SIGUSR2 to the main
+    thread every 50 ms until the main thread has left this block: its no-op handler interrupts
+    the select, and Python then runs the flagged SIGINT's own handler (KeyboardInterrupt), once,
+    whichever thread the kernel chose. (Repeated because a signal that lands just before readline
+    enters select() is lost, the main thread's own SIGINT included.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     r, w = os.pipe()
     os.set_blocking(w, False)
     main = threading.main_thread().ident
-    last = [float("-inf")]
-    own = [0]
 
-    def on_sigint(signum: int, frame: Any) -> None:  # noqa: ARG001 - a signal handler's signature
-        now = time.monotonic()
-        if now - last[0] < 0.5:
-            return
-        last[0] = now
-        raise KeyboardInterrupt
+    done = threading.Event()
 
     def forward() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR2})
         with contextlib.suppress(OSError), contextlib.closing(os.fdopen(r, "rb", buffering=0)) as pipe:
             while data := pipe.read(64):
-                for sig in data:
-                    if sig != signal.SIGINT:
-                        continue
-                    if own[0]:  # the byte of a SIGINT sent by this thread
-                        own[0] -= 1
-                        continue
-                    own[0] += 1
-                    signal.pthread_kill(main, signal.SIGINT)
+                # again and again until the main thread has left: a wake-up that lands just before
+                # readline enters select() is lost (the select then waits for input alone)
+                while signal.SIGINT in data and not done.wait(0.05):
+                    signal.pthread_kill(main, signal.SIGUSR2)
 
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGUSR2, lambda signum, frame: None)
     previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     forwarder = threading.Thread(target=forward, name="sigint-forward", daemon=True)
     forwarder.start()
     try:
         yield
     finally:
+        done.set()
         signal.set_wakeup_fd(previous_fd)
         os.close(w)  # the forwarding thread reads what is left, then EOF, and ends
         forwarder.join(1.0)
-        # a SIGINT it forwarded for the key press that ended the loop is dispatched to on_sigint
-        # (and ignored as a repeat) while Python code runs here, before the old handler is back
-        (lambda: None)()
-        signal.signal(signal.SIGINT, previous_handler)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # a late wake-up must not end the process
 
 
 def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
