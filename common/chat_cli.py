@@ -10,12 +10,8 @@ the other (no prompt), so a script can pipe a conversation through it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -99,52 +95,6 @@ def _channel(args: argparse.Namespace) -> Any:
     return grpc.insecure_channel(args.server)
 
 
-@contextlib.contextmanager
-def sigint_reaches_main() -> Iterator[None]:
-    """Make Ctrl-C interrupt the main thread even when the kernel hands SIGINT to another one.
-
-    The terminal's SIGINT is sent to the process, and the kernel may deliver it to any thread
-    that does not block it: gRPC's threads among them. Python then only flags it; a main thread
-    blocked in readline's select() at the prompt is never woken and Ctrl-C does nothing (it
-    happened once in CI; tests/integration/test_chat.py sends SIGINT to a gRPC thread to show
-    it). Here every signal also writes its number to a pipe (``signal.set_wakeup_fd``); a
-    thread that blocks the signals itself reads it and, for SIGINT, sends SIGUSR2 to the main
-    thread every 50 ms until the main thread has left this block: its no-op handler interrupts
-    the select, and Python then runs the flagged SIGINT's own handler (KeyboardInterrupt), once,
-    whichever thread the kernel chose. (Repeated because a signal that lands just before readline
-    enters select() is lost, the main thread's own SIGINT included.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    main = threading.main_thread().ident
-
-    done = threading.Event()
-
-    def forward() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR2})
-        with contextlib.suppress(OSError), contextlib.closing(os.fdopen(r, "rb", buffering=0)) as pipe:
-            while data := pipe.read(64):
-                # again and again until the main thread has left: a wake-up that lands just before
-                # readline enters select() is lost (the select then waits for input alone)
-                while signal.SIGINT in data and not done.wait(0.05):
-                    signal.pthread_kill(main, signal.SIGUSR2)
-
-    signal.signal(signal.SIGUSR2, lambda signum, frame: None)
-    previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    forwarder = threading.Thread(target=forward, name="sigint-forward", daemon=True)
-    forwarder.start()
-    try:
-        yield
-    finally:
-        done.set()
-        signal.set_wakeup_fd(previous_fd)
-        os.close(w)  # the forwarding thread reads what is left, then EOF, and ends
-        forwarder.join(1.0)
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # a late wake-up must not end the process
-
-
 def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
     import grpc
 
@@ -207,8 +157,6 @@ def run_chat(args: argparse.Namespace, api_key_env: str) -> int:
                 import readline  # noqa: F401  (line editing and history for input lines)
 
                 print(f"chatting with {args.server} (Ctrl-D or Ctrl-C to quit)", file=sys.stderr)
-                with sigint_reaches_main():
-                    return _loop(Chat(args, channel, metadata), interactive, sys.stdin, sys.stdout)
             return _loop(Chat(args, channel, metadata), interactive, sys.stdin, sys.stdout)
     except KeyboardInterrupt:
         sys.stdout.write("\n")

@@ -271,54 +271,6 @@ def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d_or_ctrl_c(
         os.close(fd)
 
 
-def _tgkill(pid: int, tid: int, sig: int) -> None:
-    """Send ``sig`` to one thread of another process (Linux tgkill; Python only targets its own)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(234, pid, tid, sig) != 0:  # SYS_tgkill on x86-64
-        raise OSError(ctypes.get_errno(), f"tgkill {pid} {tid}")
-
-
-def _threads_taking_sigint(pid: int) -> list[int]:
-    """Threads of ``pid`` other than its main one that do not block SIGINT."""
-    out = []
-    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
-        if tid != pid and not blocked & (1 << (signal.SIGINT - 1)):
-            out.append(tid)
-    return out
-
-
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the tgkill syscall number used is x86-64's")
-def test_ctrl_c_at_the_prompt_works_when_another_thread_gets_the_signal(chat_gateway: Proc, tmp_path: Path) -> None:
-    """The terminal's SIGINT goes to the process, and the kernel may hand it to any thread that
-    does not block it (gRPC's, after a turn). Sent here straight to such a thread, it must still
-    end the chat at the prompt (before the fix the main thread stayed in readline's select: it
-    happened once in CI)."""
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
-        os.execve(sys.executable, chat_cmd(chat_gateway.address), child_env())
-    try:
-        _read_until(fd, b">>> ")
-        os.write(fd, b"hello\n")
-        _read_until(fd, b">>> ")  # a turn done: gRPC's threads exist, the main thread waits at the prompt
-        others = _threads_taking_sigint(pid)
-        assert others, "no thread other than the main one takes SIGINT: nothing to show"
-        _tgkill(pid, others[-1], signal.SIGINT)
-        rest = _read_until(fd, b"\n", timeout=30)
-        assert b"Traceback" not in rest
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        with __import__("contextlib").suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
-
-
 def _run_snippet(code: str, tmp_path: Path) -> str:
     res = subprocess.run(
         [sys.executable, "-c", code],
