@@ -140,9 +140,9 @@ class Scheduler:
             self._add_drafts(out, budget, lookahead)
         return out
 
-    def _add_drafts(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Request, int], int]) -> int:
+    def _add_drafts(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Request, int], int]) -> None:
         """Give decoding requests their draft positions, oldest first, while budget and free
-        blocks last (drafts never preempt anyone). Returns the budget left."""
+        blocks last (drafts never preempt anyone)."""
         batch_size = len(self.running)
         for idx, s in enumerate(out.scheduled):
             if budget <= 0:
@@ -154,7 +154,6 @@ class Scheduler:
             if k > 0 and self.blocks.grow(req.block_table, req.num_computed_tokens + 1 + k):
                 out.scheduled[idx] = ScheduledRequest(req, 1 + k, k)
                 budget -= k
-        return budget
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Grow ``req``'s blocks for ``n`` more tokens, preempting the newest running

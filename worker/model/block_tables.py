@@ -65,24 +65,25 @@ class BlockTableRows:
     def _release(self, row: int) -> None:
         self._free.append(row)
 
+    def _resize(self, rows: int, width: int) -> None:
+        """Grow the table to ``rows`` x ``width`` (new entries 0), keeping what it holds."""
+        old = self.table
+        self.table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+        self.table[: old.shape[0], : old.shape[1]] = old
+
     def _take_row(self) -> int:
         if not self._free:
             n = self.table.shape[0]
-            grown = torch.zeros(2 * n, self.table.shape[1], dtype=torch.int32, device=self.device)
-            grown[:n] = self.table
-            self.table = grown
+            self._resize(2 * n, self.table.shape[1])
             self._free = list(range(2 * n - 1, n - 1, -1))
         return self._free.pop()
 
     def _fit_width(self, width: int) -> None:
         w = self.table.shape[1]
-        if width <= w:
-            return
-        while w < width:
-            w *= 2
-        grown = torch.zeros(self.table.shape[0], w, dtype=torch.int32, device=self.device)
-        grown[:, : self.table.shape[1]] = self.table
-        self.table = grown
+        if width > w:
+            while w < width:
+                w *= 2
+            self._resize(self.table.shape[0], w)
 
     def gather(self, tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """``[len(tables), W]`` int32 on the device: row ``i`` is ``tables[i]`` padded with 0
