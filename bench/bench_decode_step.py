@@ -1,6 +1,7 @@
 """Cost of one batch-1 decode step of each embedded default model, on our runtime and on
 transformers (float32, eager, KV cache of ``--context`` tokens), and the draft/target ratio
-that decides what speculation can gain.
+that decides what speculation can gain; and, in the same run, our target's decode step at
+batch 1, 8 and 64 with its weights stored ``[in, out]`` (the CPU default) and ``[out, in]``.
 
     python bench/bench_decode_step.py [--context 128] [--threads 2]
 
@@ -27,20 +28,37 @@ from draftwise.worker.model.loader import load_model  # noqa: E402
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 
 
-def ours_ms(which: str, context: int, steps: int) -> float:
+def ours_ms(which: str, context: int, steps: int, batch: int = 1, in_out: bool = True) -> float:
+    """Median milliseconds of one decode step of ``batch`` sequences at ``context`` tokens."""
     loaded = load_model(default_model_path(which), dtype="float32")
-    blocks = -(-(context + steps + 8) // 16)
-    runner = ModelRunner(loaded, KVCache(loaded.config, blocks, 16, torch.float32, "cpu"))
-    table = list(range(blocks))
+    loaded.model.store_weights_in_out(in_out)
+    per_seq = -(-(context + steps + 8) // 16)
+    runner = ModelRunner(loaded, KVCache(loaded.config, per_seq * batch, 16, torch.float32, "cpu"))
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     ids = [1] + [5 + i % 100 for i in range(context - 1)]
-    logits = runner.run([SequenceChunk(ids, 0, table)])
+    logits = runner.run([SequenceChunk(ids, 0, t) for t in tables])
     times = []
     for i in range(steps):
-        tok = int(logits[-1].argmax())
+        toks = logits.argmax(-1).tolist()
         t = time.perf_counter()
-        logits = runner.run([SequenceChunk([tok], context + i, table)])
+        logits = runner.run([SequenceChunk([tok], context + i, tb) for tok, tb in zip(toks, tables, strict=True)])
         times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times[steps // 4 :])
+
+
+def layout_rows(context: int, steps: int, batches=(1, 8, 64), rounds: int = 3) -> list[dict]:
+    """The target's step with ``[in, out]`` and ``[out, in]`` weights, alternating, the
+    faster of ``rounds`` runs of each."""
+    rows = []
+    for b in batches:
+        n = max(20, steps // b)
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(rounds):
+            for in_out in (True, False):
+                best[in_out] = min(best[in_out], ours_ms("target", context, n, b, in_out))
+        rows.append({"batch": b, "in_out_ms": best[True], "out_in_ms": best[False]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 @torch.no_grad()
@@ -77,6 +95,7 @@ def main() -> None:
         }
     r["draft_over_target_ours"] = r["draft"]["ours_ms"] / r["target"]["ours_ms"]
     r["draft_over_target_hf"] = r["draft"]["hf_ms"] / r["target"]["hf_ms"]
+    r["layout"] = layout_rows(args.context, args.steps)
     print(json.dumps(r, indent=1))
     out = ROOT / "bench" / "results" / "decode_step.json"
     out.parent.mkdir(exist_ok=True)
@@ -92,7 +111,19 @@ Command: `python bench/bench_decode_step.py` — {r["date"]}, {r["machine"]}
 | target | {r["target"]["ours_ms"]:.2f} | {r["target"]["hf_ms"]:.2f} | {r["target"]["hf_ms"] / r["target"]["ours_ms"]:.2f}x |
 | draft | {r["draft"]["ours_ms"]:.2f} | {r["draft"]["hf_ms"]:.2f} | {r["draft"]["hf_ms"] / r["draft"]["ours_ms"]:.2f}x |
 | draft / target | {r["draft_over_target_ours"]:.3f} | {r["draft_over_target_hf"]:.3f} | |
-""",
+
+### CPU weight layout (target, decode step, same run)
+
+On CPU the model keeps each projection's weight as `[in, out]` in memory (`LlamaModel.store_weights_in_out`):
+for one or a few rows BLAS streams that layout faster than the checkpoint's `[out, in]`.
+
+| batch | `[in, out]` (ms) | `[out, in]` (ms) | `[out, in]` / `[in, out]` |
+| --- | --- | --- | --- |
+"""
+        + "".join(
+            f"| {x['batch']} | {x['in_out_ms']:.2f} | {x['out_in_ms']:.2f} | {x['out_in_ms'] / x['in_out_ms']:.2f}x |\n"
+            for x in r["layout"]
+        ),
     )
 
 

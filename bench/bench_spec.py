@@ -11,8 +11,11 @@ float32 on CPU; every ratio comes from measurements of the same run:
 4. ``temperature``: batch 1 at temperature 0.7 (seeded): acceptance rate and speedup.
 
     python bench/bench_spec.py [--only greedy,ngram,concurrency,temperature] [--threads 2]
+    python bench/bench_spec.py --replot     # tables and plots again from bench/results/spec.json
 
-Results go to docs/benchmarks.md (section ``speculative``) and bench/results/spec.json.
+Results go to docs/benchmarks.md (section ``speculative``) and bench/results/spec.json; the
+plots (tokens/s against concurrency, plain and speculative; mean accepted length against a
+fixed k, draft model and n-gram lookup) to docs/img/.
 """
 
 from __future__ import annotations
@@ -97,11 +100,16 @@ def _hf_run(target, prompts, assistant=None) -> tuple[float, list[list[int]]]:
         return time.perf_counter() - t, outs
 
 
+FIXED_K = (1, 2, 3, 4, 5)  # the fixed-k sweep behind the accepted-length plot
+
+
+def _fixed(k: int, **spec) -> dict:
+    return dict(num_speculative_tokens=k, speculative_adaptive=False, **spec)
+
+
 GREEDY_CONFIGS = {
     "adaptive (default: k <= 5)": dict(speculative_model="default"),
-    "fixed k=2": dict(speculative_model="default", num_speculative_tokens=2, speculative_adaptive=False),
-    "fixed k=3": dict(speculative_model="default", num_speculative_tokens=3, speculative_adaptive=False),
-    "fixed k=5": dict(speculative_model="default", num_speculative_tokens=5, speculative_adaptive=False),
+    **{f"fixed k={k}": _fixed(k, speculative_model="default") for k in FIXED_K},
 }
 
 
@@ -173,7 +181,7 @@ def bench_ngram(tokenizer) -> dict:
     llms = {
         "plain": _llm(),
         "adaptive (default: k <= 5)": _llm(speculative_method="ngram"),
-        "fixed k=5": _llm(speculative_method="ngram", num_speculative_tokens=5, speculative_adaptive=False),
+        **{f"fixed k={k}": _llm(**_fixed(k, speculative_method="ngram")) for k in FIXED_K},
     }
     res = _interleaved(llms, [prompt], params, repeats=3)
     plain_s, plain = res["plain"]
@@ -249,11 +257,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="greedy,ngram,concurrency,temperature")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--replot", action="store_true", help="run nothing: tables and plots from the saved results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     which = set(args.only.split(","))
     out_path = ROOT / "bench" / "results" / "spec.json"
     results: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if args.replot:
+        write_section("speculative", render(results))
+        print("\n".join(str(p) for p in plot(results, ROOT / "docs" / "img")))
+        return
     if "greedy" in which:  # the header's machine and date are section 1's (section 3 records its own)
         results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
     tokenizer = _llm().get_tokenizer()
@@ -270,6 +283,85 @@ def main() -> None:
             out_path.parent.mkdir(exist_ok=True)
             out_path.write_text(json.dumps(results, indent=1) + "\n")  # each result as soon as it exists
     write_section("speculative", render(results))
+    print("\n".join(str(p) for p in plot(results, ROOT / "docs" / "img")))
+
+
+def _fixed_k_points(rows: dict) -> tuple[list[int], list[float]]:
+    """(k, mean accepted length) of the ``fixed k=N`` rows, by k."""
+    pts = sorted(
+        (int(name.split("=")[1]), r["mean_accepted_length"]) for name, r in rows.items() if name.startswith("fixed k=")
+    )
+    return [k for k, _ in pts], [m for _, m in pts]
+
+
+def plot(r: dict, folder: Path) -> list[Path]:
+    """Draw the plots the results allow into ``folder``; returns the files written.
+
+    ``spec_concurrency.png``: output tokens/s against concurrency, plain and speculative
+    (section 3). ``spec_accepted_length.png``: mean accepted length (tokens per verify step)
+    against a fixed k for the draft model (section 1) and n-gram lookup (section 2), with the
+    ideal k + 1 for reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    stamp = f"{r.get('date', '')}, {r.get('machine', '')}"
+    if r.get("concurrency"):
+        rows = r["concurrency"]
+        c = [row["concurrency"] for row in rows]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(c, [row["plain_tokens_per_s"] for row in rows], "o-", label="plain decoding")
+        ax.plot(c, [row["spec_tokens_per_s"] for row in rows], "s-", label="speculative (default draft, adaptive k)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(c, [str(x) for x in c])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Throughput against concurrency (default pair, float32, CPU)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.text(0.01, 0.01, f"bench/bench_spec.py, {rows[0].get('date', '')}", fontsize=7, alpha=0.7)
+        fig.tight_layout()
+        written.append(folder / "spec_concurrency.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    series = []
+    if "greedy" in r:
+        series.append(("draft model (batch 1, greedy)", *_fixed_k_points(r["greedy"]["spec"])))
+    if "ngram" in r:
+        series.append(
+            (
+                "n-gram lookup (edit prompt, greedy)",
+                *_fixed_k_points({k: v for k, v in r["ngram"].items() if isinstance(v, dict)}),
+            )
+        )
+    series = [s for s in series if s[1]]
+    if series:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        top = max(max(ks) for _, ks, _ in series)
+        ax.plot(
+            range(1, top + 1),
+            [k + 1 for k in range(1, top + 1)],
+            ":",
+            color="grey",
+            label="every draft accepted (k + 1)",
+        )
+        for (label, ks, means), marker in zip(series, "os", strict=False):
+            ax.plot(ks, means, marker + "-", label=label)
+        ax.set_xticks(range(1, top + 1))
+        ax.set_xlabel("draft tokens per step (fixed k)")
+        ax.set_ylabel("mean accepted length (tokens per verify step)")
+        ax.set_title("Accepted length against k", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.text(0.01, 0.01, f"bench/bench_spec.py, {stamp}", fontsize=7, alpha=0.7)
+        fig.tight_layout()
+        written.append(folder / "spec_accepted_length.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
 
 
 def _spec_rows(rows: dict, ref_name: str) -> list[str]:

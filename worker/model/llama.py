@@ -125,6 +125,7 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+        self._lm_head_in_out: torch.Tensor | None = None  # [hidden, vocab] copy of the LM head on CPU
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -135,6 +136,25 @@ class LlamaModel(nn.Module):
             if isinstance(m, RMSNorm):
                 m.bind(device)
         self.rope = RotaryEmbedding(self.config.rope, self.config.head_dim, self.rope.max_positions, device)
+        self.store_weights_in_out(device.type == "cpu")
+
+    def store_weights_in_out(self, enabled: bool = True) -> None:
+        """With ``enabled``, keep every projection's weight in memory as ``[in, out]`` (the
+        parameter stays an ``[out, in]`` view of it, so ``F.linear`` and every reader see the
+        same values); without, as ``[out, in]``. ``bind`` enables it on CPU.
+
+        On CPU a decode step multiplies one row (or a few) by each weight, a matrix-vector
+        product bound by how fast the weights stream from memory. BLAS streams an ``[in, out]``
+        matrix about 1.7x faster than an ``[out, in]`` one for 1-2 rows (a dot per output
+        along a 1 KiB row against an axpy over contiguous outputs) and equally fast from 64 rows
+        up (measured in docs/benchmarks.md, "CPU weight layout"). The LM head gets an
+        ``[hidden, vocab]`` copy when it is tied to the embedding, which keeps ``[vocab, hidden]``
+        for its row lookups."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                w = m.weight.t().contiguous().t() if enabled else m.weight.contiguous()
+                m.weight = nn.Parameter(w, requires_grad=False)
+        self._lm_head_in_out = self.embed_tokens.weight.t().contiguous() if enabled and self.lm_head is None else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
@@ -157,4 +177,5 @@ class LlamaModel(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        return F.linear(hidden, self.lm_head_weight).float()
+        weight = self.lm_head_weight if self._lm_head_in_out is None else self._lm_head_in_out.t()
+        return F.linear(hidden, weight).float()
