@@ -406,12 +406,7 @@ def render(r: dict) -> str:
             "",
             f"transformers' outputs equal ours: plain {g['hf_generate_same_tokens']}, assisted {g['hf_assisted_same_tokens']}.",
             "",
-            "Why not 1.8x on this machine: in the engine a draft step costs about a fifth of a target",
-            "step (the 1-layer draft still reads its 8192 x 256 LM head and pays the same per-op",
-            "overhead), and verifying 3 tokens costs about 1.2 plain steps; with a per-token acceptance",
-            "near 0.7, the best k (2) yields 1 + 0.7 + 0.49 = 2.19 tokens for about 1.6 plain steps,",
-            "i.e. at most ~1.35-1.5x. 1.8x needs a draft under ~5% of the target's step or acceptance",
-            "above ~0.85 (a better-trained pair, or a GPU where a step costs the same for 1 or 8 tokens).",
+            'Why the goals are missed: docs/benchmarks.md, "Goals" (from the profile section).',
             "",
         ]
     if "ngram" in r:
