@@ -28,10 +28,12 @@ from draftwise.worker.model.loader import load_model  # noqa: E402
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 
 
-def ours_ms(which: str, context: int, steps: int, batch: int = 1, in_out: bool = True) -> float:
-    """Median milliseconds of one decode step of ``batch`` sequences at ``context`` tokens."""
+def ours_ms(which: str, context: int, steps: int, batch: int = 1, layout: int | None | str = "default") -> float:
+    """Median milliseconds of one decode step of ``batch`` sequences at ``context`` tokens,
+    with the weights laid out for ``layout`` threads (None: as in the checkpoint)."""
     loaded = load_model(default_model_path(which), dtype="float32")
-    loaded.model.store_weights_in_out(in_out)
+    if layout != "default":
+        loaded.model.set_cpu_layout(layout)
     per_seq = -(-(context + steps + 8) // 16)
     runner = ModelRunner(loaded, KVCache(loaded.config, per_seq * batch, 16, torch.float32, "cpu"))
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
@@ -46,17 +48,22 @@ def ours_ms(which: str, context: int, steps: int, batch: int = 1, in_out: bool =
     return 1000 * statistics.median(times[steps // 4 :])
 
 
+LAYOUTS = {"out_in": None, "in_out": 1, "blocks": torch.get_num_threads}
+
+
 def layout_rows(context: int, steps: int, batches=(1, 8, 64), rounds: int = 3) -> list[dict]:
-    """The target's step with ``[in, out]`` and ``[out, in]`` weights, alternating, the
-    faster of ``rounds`` runs of each."""
+    """The target's step with its weights as in the checkpoint (``[out, in]``), ``[in, out]``,
+    and in column blocks, one per thread (the CPU default), alternating, the faster of
+    ``rounds`` runs of each."""
     rows = []
     for b in batches:
         n = max(20, steps // b)
-        best = {True: float("inf"), False: float("inf")}
+        best = dict.fromkeys(LAYOUTS, float("inf"))
         for _ in range(rounds):
-            for in_out in (True, False):
-                best[in_out] = min(best[in_out], ours_ms("target", context, n, b, in_out))
-        rows.append({"batch": b, "in_out_ms": best[True], "out_in_ms": best[False]})
+            for name, parts in LAYOUTS.items():
+                parts = parts() if callable(parts) else parts
+                best[name] = min(best[name], ours_ms("target", context, n, b, parts))
+        rows.append({"batch": b, **{f"{k}_ms": v for k, v in best.items()}})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -114,14 +121,16 @@ Command: `python bench/bench_decode_step.py` — {r["date"]}, {r["machine"]}
 
 ### CPU weight layout (target, decode step, same run)
 
-On CPU the model keeps each projection's weight as `[in, out]` in memory (`LlamaModel.store_weights_in_out`):
-for one or a few rows BLAS streams that layout faster than the checkpoint's `[out, in]`.
+On CPU the model lays each projection's weight out for the intra-op threads (`LlamaModel.set_cpu_layout`,
+docs/models.md): one thread gets `[in, out]`, `p` threads get `p` column blocks multiplied as one batched
+product (one block per thread). Same run, same steps:
 
-| batch | `[in, out]` (ms) | `[out, in]` (ms) | `[out, in]` / `[in, out]` |
-| --- | --- | --- | --- |
+| batch | `[out, in]`, checkpoint (ms) | `[in, out]` (ms) | column blocks, {torch.get_num_threads()} threads (ms) | checkpoint / blocks |
+| --- | --- | --- | --- | --- |
 """
         + "".join(
-            f"| {x['batch']} | {x['in_out_ms']:.2f} | {x['out_in_ms']:.2f} | {x['out_in_ms'] / x['in_out_ms']:.2f}x |\n"
+            f"| {x['batch']} | {x['out_in_ms']:.2f} | {x['in_out_ms']:.2f} | {x['blocks_ms']:.2f} | "
+            f"**{x['out_in_ms'] / x['blocks_ms']:.2f}x** |\n"
             for x in r["layout"]
         ),
     )

@@ -254,7 +254,7 @@ def test_tiny_gguf_matches_transformers(tmp_path: Path, qtype: str) -> None:
     assert worst < TOL, f"{qtype}: max |ours - transformers| = {worst:.3g}"
     # the Q/K permutation undone: our fused qkv rows are the Hugging Face-order originals
     loaded = load_model(path, dtype="float32")
-    qkv = loaded.model.layers[1].self_attn.qkv_proj.weight.detach()
+    qkv = loaded.model.layers[1].self_attn.qkv_proj.dense_weight().detach()
     want = torch.from_numpy(np.concatenate([original[f"blk.1.attn_{p}.weight"] for p in "qkv"]))
     err = (qkv - want).abs().max().item()
     # within the type's rounding (4 bits: up to ~0.1 here); rows out of order would be off by ~1

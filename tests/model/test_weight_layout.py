@@ -1,20 +1,20 @@
-"""On CPU the model stores each projection's weight ``[in, out]`` in memory (the parameter
-an ``[out, in]`` view of it): the same values as the checkpoint, the same logits within float32
-rounding, the same greedy tokens, whichever layout and however many rows."""
+"""On CPU the model lays each projection's weight out for its threads (``[in, out]`` for one,
+column blocks multiplied as one batched product for several): the checkpoint's values, the
+same logits within float32 rounding, the same greedy tokens, whichever layout and however many
+rows; and a row decoded alone gives what it gives in a batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from torch import nn
 
 from draftwise.worker import default_model_path
 from draftwise.worker.model.kv_cache import KVCache
+from draftwise.worker.model.llama import Linear
 from draftwise.worker.model.loader import load_model
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
-
-def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+PROMPTS = [[1, 5, 9, 300, 41, 7], [1, 2000, 17], [1, 77, 78, 79, 80, 81, 82, 83, 84, 85]]
 
 
 def _decode(loaded, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -35,32 +35,51 @@ def _decode(loaded, prompts: list[list[int]], steps: int) -> tuple[list[list[int
     return out, first
 
 
-def test_cpu_load_stores_weights_in_out_with_the_checkpoint_values() -> None:
+def _target(parts: int | None):
     loaded = load_model(default_model_path("target"), dtype="float32")
-    model = loaded.model
-    linears = _linears(model)
+    loaded.model.set_cpu_layout(parts)
+    return loaded
+
+
+def test_cpu_load_lays_weights_out_for_the_threads() -> None:
+    threads = torch.get_num_threads()
+    model = load_model(default_model_path("target"), dtype="float32").model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears, "the model has projections"
     for m in linears:
-        assert not m.weight.is_contiguous() and m.weight.t().is_contiguous(), m
-    head = model._lm_head_in_out
-    assert head is not None and head.is_contiguous()
-    assert torch.equal(head.t(), model.embed_tokens.weight)  # tied: the copy holds the embedding's values
-    before = [m.weight.clone() for m in linears]
-    model.store_weights_in_out(False)
-    for m, w in zip(linears, before, strict=True):
-        assert m.weight.is_contiguous() and torch.equal(m.weight, w)
-    assert model._lm_head_in_out is None
+        if threads == 1:
+            assert m.weight.dim() == 2 and m.weight.t().is_contiguous()
+        else:
+            assert m.weight.shape == (threads, m.out_features // threads, m.in_features)
+            assert m.weight.transpose(1, 2).is_contiguous()
+    assert model._lm_head is not None  # tied: a laid-out copy of the embedding
+    assert torch.equal(model._lm_head.dense_weight(), model.embed_tokens.weight)
+    checkpoint = load_model(default_model_path("target"), dtype="float32").model
+    checkpoint.set_cpu_layout(None)
+    # the copy is no parameter: the model's parameters (and weight bytes) are the checkpoint's
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in checkpoint.parameters())
 
 
-def test_both_layouts_decode_the_same_tokens() -> None:
-    prompts = [[1, 5, 9, 300, 41, 7], [1, 2000, 17], [1, 77, 78, 79, 80, 81, 82, 83, 84, 85]]
-    a = load_model(default_model_path("target"), dtype="float32")
-    b = load_model(default_model_path("target"), dtype="float32")
-    b.model.store_weights_in_out(False)
-    toks_a, logits_a = _decode(a, prompts, 24)
-    toks_b, logits_b = _decode(b, prompts, 24)
-    assert (logits_a - logits_b).abs().max().item() < 1e-4
-    assert toks_a == toks_b
-    # one row alone decodes what it decodes in the batch
-    alone, _ = _decode(a, prompts[1:2], 24)
-    assert alone[0] == toks_a[1]
+@pytest.mark.parametrize("parts", [None, 1, 2, 3, 4])
+def test_every_layout_holds_the_checkpoint_values(parts: int | None) -> None:
+    ref = _target(None).model
+    model = _target(parts).model
+    for (name, a), (_, b) in zip(ref.named_modules(), model.named_modules(), strict=True):
+        if isinstance(a, Linear):
+            assert torch.equal(a.dense_weight(), b.dense_weight()), name
+            x = torch.randn(5, a.in_features)
+            assert (a(x) - b(x)).abs().max().item() < 1e-5, name
+            assert b(x[:0]).shape == (0, a.out_features), name  # no rows (a chunk that asks for no logits)
+    assert ref._lm_head is None and (parts is None) == (model._lm_head is None)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_layouts_decode_the_same_tokens_batched_and_alone(parts: int) -> None:
+    toks_ref, logits_ref = _decode(_target(None), PROMPTS, 24)
+    laid_out = _target(parts)
+    toks, logits = _decode(laid_out, PROMPTS, 24)
+    assert (logits - logits_ref).abs().max().item() < 1e-4
+    assert toks == toks_ref
+    for i, p in enumerate(PROMPTS):
+        alone, _ = _decode(laid_out, [p], 24)
+        assert alone[0] == toks[i]

@@ -21,6 +21,46 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can be laid out in memory for CPU decoding
+    (:meth:`set_cpu_layout`); ``weight`` always holds the checkpoint's values."""
+
+    def set_cpu_layout(self, parts: int | None) -> None:
+        """Lay the weight out for ``parts`` threads (None: the checkpoint's ``[out, in]``).
+
+        A decode step on CPU multiplies one row, or a few, by each weight: a matrix-vector
+        product that streams the weight from memory, and BLAS runs it on one thread. With
+        ``parts = 1`` the weight is stored ``[in, out]``, which BLAS streams 1.3-1.8x faster
+        than ``[out, in]`` for one row; with ``parts = p > 1`` it is stored as ``p`` column
+        blocks ``[p, in, out / p]`` and multiplied as one batched product, which torch runs
+        one block per thread: another 1.4-1.9x for 1-16 rows, about even at 64-512 rows and
+        up to ~5% slower on 2,048-row prompt chunks (docs/benchmarks.md, "CPU weight layout").
+        ``weight`` stays an ``[out, in]`` tensor (a view of the blocks for ``p = 1``, a
+        ``[p, out / p, in]`` view for ``p > 1``; :meth:`dense_weight` gives it 2-D)."""
+        w = self.dense_weight()
+        out_features, in_features = w.shape
+        if parts is None:
+            stored = w.contiguous()
+        elif parts == 1 or out_features % parts:
+            stored = w.t().contiguous().t()
+        else:
+            stored = w.reshape(parts, out_features // parts, in_features).transpose(1, 2).contiguous().transpose(1, 2)
+        self.weight = nn.Parameter(stored, requires_grad=False)
+
+    def dense_weight(self) -> torch.Tensor:  # [out, in]
+        w = self.weight
+        return w if w.dim() == 2 else w.reshape(-1, w.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        w = self.weight
+        if w.dim() == 2:
+            return F.linear(x, w, self.bias)
+        parts, block, _ = w.shape
+        y = torch.bmm(x.expand(parts, *x.shape), w.transpose(1, 2))  # [p, T, out / p]
+        y = y.transpose(0, 1).reshape(x.shape[0], parts * block)
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -48,8 +88,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = sliding_window
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -75,8 +115,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -123,9 +163,9 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
-        self._lm_head_in_out: torch.Tensor | None = None  # [hidden, vocab] copy of the LM head on CPU
+        self._lm_head: Linear | None = None  # a tied LM head's laid-out copy on CPU (set_cpu_layout), unregistered
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -136,29 +176,27 @@ class LlamaModel(nn.Module):
             if isinstance(m, RMSNorm):
                 m.bind(device)
         self.rope = RotaryEmbedding(self.config.rope, self.config.head_dim, self.rope.max_positions, device)
-        self.store_weights_in_out(device.type == "cpu")
+        self.set_cpu_layout(max(1, torch.get_num_threads()) if device.type == "cpu" else None)
 
-    def store_weights_in_out(self, enabled: bool = True) -> None:
-        """With ``enabled``, keep every projection's weight in memory as ``[in, out]`` (the
-        parameter stays an ``[out, in]`` view of it, so ``F.linear`` and every reader see the
-        same values); without, as ``[out, in]``. ``bind`` enables it on CPU.
-
-        On CPU a decode step multiplies one row (or a few) by each weight, a matrix-vector
-        product bound by how fast the weights stream from memory. BLAS streams an ``[in, out]``
-        matrix about 1.7x faster than an ``[out, in]`` one for 1-2 rows (a dot per output
-        along a 1 KiB row against an axpy over contiguous outputs) and equally fast from 64 rows
-        up (measured in docs/benchmarks.md, "CPU weight layout"). The LM head gets an
-        ``[hidden, vocab]`` copy when it is tied to the embedding, which keeps ``[vocab, hidden]``
-        for its row lookups."""
+    def set_cpu_layout(self, parts: int | None) -> None:
+        """Lay every projection's weight out for CPU decoding with ``parts`` threads (None:
+        as in the checkpoint); see :meth:`Linear.set_cpu_layout`. ``bind`` does it on CPU
+        with the intra-op thread count. A tied LM head keeps the embedding for lookups and
+        gets a laid-out copy for the logits (``vocab x hidden`` more values in memory)."""
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                w = m.weight.t().contiguous().t() if enabled else m.weight.contiguous()
-                m.weight = nn.Parameter(w, requires_grad=False)
-        self._lm_head_in_out = self.embed_tokens.weight.t().contiguous() if enabled and self.lm_head is None else None
+            if isinstance(m, Linear):
+                m.set_cpu_layout(parts)
+        head = None
+        if parts is not None and self.lm_head is None:
+            head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+            head.weight = nn.Parameter(self.embed_tokens.weight, requires_grad=False)
+            head.set_cpu_layout(parts)  # a copy: the embedding keeps its own layout
+        # not a submodule: the model's parameters (and their bytes) stay the checkpoint's
+        object.__setattr__(self, "_lm_head", head)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
 
     def forward(
         self,
@@ -177,5 +215,5 @@ class LlamaModel(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        weight = self.lm_head_weight if self._lm_head_in_out is None else self._lm_head_in_out.t()
-        return F.linear(hidden, weight).float()
+        head = self._lm_head if self._lm_head is not None else self.lm_head
+        return (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
