@@ -60,6 +60,16 @@ def test_cpu_load_lays_weights_out_for_the_threads() -> None:
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in checkpoint.parameters())
 
 
+def test_blocks_divide_the_columns_and_are_not_too_narrow() -> None:
+    for out, parts, want in [(256, 2, 2), (256, 3, 2), (256, 4, 4), (256, 64, 4), (96, 2, 1), (1536, 7, 6), (10, 2, 1)]:
+        m = Linear(8, out, bias=False)
+        m.set_cpu_layout(parts)
+        got = 1 if m.weight.dim() == 2 else m.weight.shape[0]
+        assert got == want, (out, parts, got)
+        x = torch.randn(3, 8)
+        assert torch.allclose(m(x), x @ m.dense_weight().t(), atol=1e-5)
+
+
 @pytest.mark.parametrize("parts", [None, 1, 2, 3, 4])
 def test_every_layout_holds_the_checkpoint_values(parts: int | None) -> None:
     ref = _target(None).model

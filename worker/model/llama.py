@@ -21,6 +21,9 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+MIN_BLOCK_COLUMNS = 64  # narrower column blocks cost more in per-block overhead than their thread brings
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight can be laid out in memory for CPU decoding
     (:meth:`set_cpu_layout`); ``weight`` always holds the checkpoint's values."""
@@ -33,15 +36,22 @@ class Linear(nn.Linear):
         ``parts = 1`` the weight is stored ``[in, out]``, which BLAS streams 1.3-1.8x faster
         than ``[out, in]`` for one row; with ``parts = p > 1`` it is stored as ``p`` column
         blocks ``[p, in, out / p]`` and multiplied as one batched product, which torch runs
-        one block per thread: another 1.4-1.9x for 1-16 rows, about even at 64-512 rows and
+        one block per thread (fewer where ``p`` does not divide the columns or would make
+        blocks narrower than ``MIN_BLOCK_COLUMNS``): another 1.4-1.9x for 1-16 rows, about even at 64-512 rows and
         up to ~5% slower on 2,048-row prompt chunks (docs/benchmarks.md, "CPU weight layout").
         ``weight`` stays an ``[out, in]`` tensor (a view of the blocks for ``p = 1``, a
         ``[p, out / p, in]`` view for ``p > 1``; :meth:`dense_weight` gives it 2-D)."""
         w = self.dense_weight()
         out_features, in_features = w.shape
+        if parts is not None:  # the most blocks up to ``parts`` that divide the columns evenly, none too narrow
+            parts = next(
+                p
+                for p in range(max(1, parts), 0, -1)
+                if p == 1 or (out_features % p == 0 and out_features // p >= MIN_BLOCK_COLUMNS)
+            )
         if parts is None:
             stored = w.contiguous()
-        elif parts == 1 or out_features % parts:
+        elif parts == 1:
             stored = w.t().contiguous().t()
         else:
             stored = w.reshape(parts, out_features // parts, in_features).transpose(1, 2).contiguous().transpose(1, 2)
