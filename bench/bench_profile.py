@@ -37,7 +37,7 @@ from draftwise.worker.model.loader import load_model  # noqa: E402
 
 NEW_TOKENS = 256
 GROUPS = {
-    "weight products": ("aten::mm", "aten::addmm"),
+    "weight products": ("aten::mm", "aten::addmm", "aten::bmm"),
     "attention": ("aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu"),
 }
 
