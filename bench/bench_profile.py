@@ -11,6 +11,9 @@ profile behind the engine and speculation figures that miss their goals.
    memory's read bandwidth measured in the same run (one and all threads): how close the
    matrix-vector products come to the roofline.
 3. The draft model's step against the target's, same way.
+4. What speculation pays for at batch 1: the target's forward pass over ``1 + k`` tokens of
+   one sequence (a verify step) and the draft's one-token step, each against a plain decode
+   step, and the speedup those costs allow at the measured acceptance.
 
     python bench/bench_profile.py [--threads 2]
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, heldout_prompts, machine, write_section  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
+from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
 from draftwise.worker.model.llama import Linear  # noqa: E402
 from draftwise.worker.model.loader import load_model  # noqa: E402
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 
 NEW_TOKENS = 256
 GROUPS = {
@@ -99,6 +105,29 @@ def weight_stream(model: nn.Module, repeats: int = 50) -> dict:
     return {"weight_mb": nbytes / 1e6, "ms": best * 1000, "gb_s": nbytes / best / 1e9}
 
 
+def step_costs(context: int = 128, steps: int = 60, max_k: int = 5) -> dict:
+    """Median ms of the target's forward pass over ``1 + k`` tokens of one sequence (k = 0: a
+    plain decode step) and of the draft's one-token step, at ``context`` tokens."""
+
+    def timed(which: str, n_new: int) -> float:
+        loaded = load_model(default_model_path(which), dtype="float32")
+        blocks = -(-(context + steps * n_new + 8) // 16)
+        runner = ModelRunner(loaded, KVCache(loaded.config, blocks, 16, torch.float32, "cpu"))
+        table = list(range(blocks))
+        runner.run([SequenceChunk([1] + [5 + i % 100 for i in range(context - 1)], 0, table)])
+        pos, times = context, []
+        for i in range(steps):
+            ids = [5 + (i + j) % 100 for j in range(n_new)]
+            t = time.perf_counter()
+            runner.run([SequenceChunk(ids, pos, table, n_new)])
+            times.append(time.perf_counter() - t)
+            pos += n_new
+        return 1000 * statistics.median(times[steps // 4 :])
+
+    target = {k: timed("target", 1 + k) for k in range(max_k + 1)}
+    return {"target_ms": target, "draft_ms": timed("draft", 1)}
+
+
 def read_bandwidth(threads: int, nbytes: int = 1 << 29, repeats: int = 5) -> float:
     """Bytes per second read by a large sum (each byte read once, nothing written)."""
     old = torch.get_num_threads()
@@ -128,6 +157,7 @@ def main() -> None:
     r["target_weights"] = weight_stream(target.engine.loaded.model)
     del target
     r["draft_weights"] = weight_stream(load_model(default_model_path("draft"), dtype="float32").model)
+    r["steps"] = step_costs()
     r["read_gb_s_1_thread"] = read_bandwidth(1) / 1e9
     r["read_gb_s_all_threads"] = read_bandwidth(args.threads) / 1e9
     print(json.dumps(r, indent=1))
@@ -172,12 +202,51 @@ def render(r: dict) -> str:
             f"| {name} | {w['weight_mb']:.1f} MB | {w['ms']:.2f} ms | {w['gb_s']:.1f} | "
             f"{w['gb_s'] / r['read_gb_s_1_thread']:.0%} | {w['gb_s'] / r['read_gb_s_all_threads']:.0%} |"
         )
+    if "steps" in r:
+        st = r["steps"]
+        tm = {int(k): v for k, v in st["target_ms"].items()}  # JSON keys are strings
+        plain = tm[0]
+        lines += [
+            "",
+            "What speculation pays for at batch 1 (one sequence at 128 tokens of context; a plain step = 1):",
+            "",
+            "| k | verify step: target over 1 + k tokens (ms) | in plain steps | round with its k draft steps "
+            "(plain steps = tokens it must yield to break even) | per-token acceptance that breaks even |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        d = st["draft_ms"] / plain
+        for k, ms in sorted(tm.items()):
+            if k == 0:
+                continue
+            cost = ms / plain + k * d
+            lines.append(f"| {k} | {ms:.2f} | {ms / plain:.2f} | {cost:.2f} | {_break_even_acceptance(k, cost):.2f} |")
+        lines += [
+            "",
+            f"Plain decode step {plain:.2f} ms; draft step {st['draft_ms']:.2f} ms ({d:.2f} of a plain step). A round of "
+            "k drafts yields (1 - a^(k+1)) / (1 - a) tokens at per-token acceptance a; speculation gains only "
+            "where that exceeds the round's cost in plain steps.",
+        ]
     lines += [
         "",
         f"Read bandwidth: {r['read_gb_s_1_thread']:.1f} GB/s with one thread, {r['read_gb_s_all_threads']:.1f} GB/s "
         "with all. BLAS runs a one-row product on one thread; the model's column-block layout (docs/models.md) runs one block per thread.",
     ]
     return "\n".join(lines)
+
+
+def _break_even_acceptance(k: int, cost: float) -> float:
+    """The per-token acceptance a at which a round of k drafts yields ``cost`` tokens
+    ((1 - a^(k+1)) / (1 - a) = cost), by bisection; 1.0 when even a = 1 falls short."""
+    if k + 1 <= cost:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if sum(a**j for j in range(k + 1)) < cost:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
 
 
 if __name__ == "__main__":

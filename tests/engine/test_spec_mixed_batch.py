@@ -136,10 +136,16 @@ def test_acceptance_counts_only_tokens_that_reach_the_output() -> None:
     assert final is not None
     out = final.outputs[0]
     assert out.token_ids == tokens[: cut + 1] and out.finish_reason == "stop"
-    # every delta after the prefill's first token is one verified round (k = 4 always): its
-    # accepted drafts are all its tokens but the last; in the round the stop cuts, only those
-    # up to the stop token reached the output
-    rounds = [d for d in deltas[1:] if d.first_token_index <= cut]
+    # every delta whose step verified drafts (k = 4 always; the first decode step is plain while
+    # the draft catches up on the prompt) is one round: its accepted drafts are all its tokens but
+    # the last; in the round the stop cuts, only those up to the stop token reached the output
+    rounds, seen = [], 0
+    for d in deltas:
+        steps = d.spec.verify_steps if d.spec is not None else 0
+        if steps > seen and d.first_token_index <= cut:
+            rounds.append(d)
+        seen = steps
+    assert rounds and deltas[1].spec is not None and deltas[1].spec.verify_steps == 0  # the catch-up step
     last = rounds[-1]
     want = sum(len(d.token_ids) - 1 for d in rounds[:-1]) + (cut - last.first_token_index + 1)
     assert len(last.token_ids) - 1 > cut - last.first_token_index + 1  # drafts were accepted past the stop

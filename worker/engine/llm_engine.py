@@ -425,6 +425,9 @@ class LLMEngine:
             for req, err in doomed:
                 self._fail(req, err)
             scheduled = [s for s in scheduled if not s.request.is_finished]
+        if spec is not None and spec.behind:  # the draft reads what it lags behind, within the budget left
+            spec.catch_up(self.scheduler.config.max_num_batched_tokens - sched.num_batched_tokens, self._fail)
+            scheduled = [s for s in scheduled if not s.request.is_finished]
         counts = (0, 0)
         if scheduled:
             # propose

@@ -55,6 +55,12 @@ IsFatal = Callable[[BaseException], bool]
 """Whether an error poisons the whole step (then it is raised, never contained)."""
 
 
+MAX_INLINE_BACKLOG = 2
+"""A proposal reads at most this many unread tokens of a request itself (steady decoding: the
+target's last token, or the last draft and the bonus token of a fully accepted round); a
+request further behind is caught up first, through the token budget (:meth:`SpecDecoder.catch_up`)."""
+
+
 def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
     """The draft model when ``config`` speculates with one (checked against the target)."""
     if config.spec_method != "draft":
@@ -106,6 +112,8 @@ class SpecDecoder:
         self.states: dict[str, RequestSpecState] = {}  # request id -> policy state and counters
         self.drafts: dict[str, list[int]] = {}  # request id -> this step's drafted tokens
         self.doomed: list[tuple[Request, BaseException]] = []  # failed while planning; finished after
+        self.behind: dict[str, Request] = {}  # request id -> request: the proposer must catch up first (this step)
+        self.deferred: dict[str, int] = {}  # request id -> the k chosen while it was behind: drafted once caught up
         self._round: tuple[str, int, int] | None = None  # (request id, accepted, output length) being emitted
 
     @classmethod
@@ -156,6 +164,7 @@ class SpecDecoder:
         """The target's blocks of ``req`` were freed (finished, aborted, failed, preempted):
         its drafts and the proposer's state go too; its counters stay until :meth:`forget`."""
         self.drafts.pop(req.request_id, None)
+        self.deferred.pop(req.request_id, None)
         self.proposer.release(req)
 
     def forget(self, req: Request) -> None:
@@ -173,6 +182,7 @@ class SpecDecoder:
         """The scheduler's ``lookahead`` for this step; None when drafting cannot pay at this
         batch size (the per-request decisions are skipped) or when the policy wants a plain
         step timed."""
+        self.behind = {}
         if not self.policy.may_pay(num_running, self.adaptive):
             return None
         if self.adaptive and self.policy.measure_plain(num_running):
@@ -193,13 +203,61 @@ class SpecDecoder:
                 self.proposer.release(req)
                 return 0
             room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
-            k = min(self.policy.choose_k(st, batch_size) if self.adaptive else st.limit, room)
+            k = self.deferred.pop(req.request_id, None)  # decided while catching up: the policy is not asked twice
+            if k is None:
+                k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
+            k = min(k, room)
+            if k > 0 and self.proposer.backlog(req) > MAX_INLINE_BACKLOG:
+                self.behind[req.request_id] = req  # no drafts until the proposer has caught up
+                self.deferred[req.request_id] = k
+                return 0
             return self.proposer.plan(req, k) if k > 0 else 0
         except Exception as e:
             if self.is_fatal(e):
                 raise
             self.doomed.append((req, e))
             return 0
+
+    # ------------------------------------------------------------------ catch up
+
+    def catch_up(self, budget: int, fail: Fail) -> int:
+        """Let the proposer read the unread tokens of the requests it lags behind (``behind``,
+        oldest first), at most ``budget`` tokens in all: what the step's token budget has left
+        after the target's tokens and the drafts. The rest waits for the next steps; meanwhile
+        those requests decode plainly. When the batch fails, each request catches up alone and
+        those that still fail are finished. Returns the tokens read."""
+        reqs, ns = [], []
+        for r in self.behind.values():
+            if budget <= 0:
+                break
+            if r.is_finished:
+                continue
+            n = min(self.proposer.backlog(r), budget)
+            if n > 0:
+                reqs.append(r)
+                ns.append(n)
+                budget -= n
+        self.behind = {}
+        if not reqs:
+            return 0
+        try:
+            self.proposer.catch_up(reqs, ns)
+            return sum(ns)
+        except Exception as e:
+            if self.is_fatal(e):
+                raise
+            log.warning("catch-up failed for the batch; isolating", error=repr(e), requests=len(reqs))
+        done = 0
+        for r, n in zip(reqs, ns, strict=True):
+            self.proposer.release(r)  # whatever the failed batch left behind: start over from nothing
+            try:
+                self.proposer.catch_up([r], [min(n, self.proposer.backlog(r))])
+                done += n
+            except Exception as e:
+                if self.is_fatal(e):
+                    raise
+                fail(r, e)
+        return done
 
     # ------------------------------------------------------------------ propose
 
@@ -349,14 +407,15 @@ class SpecDecoder:
     def check(self, reqs: Sequence[Request]) -> None:
         """Speculation state only for unfinished requests; the proposer's consistent."""
         ids = {r.request_id for r in reqs}
-        stray = (set(self.states) | set(self.drafts)) - ids
+        stray = (set(self.states) | set(self.drafts) | set(self.deferred)) - ids
         if stray:
             raise AssertionError(f"speculation state kept for requests that are gone: {sorted(stray)}")
         self.proposer.check(reqs)
 
     def check_idle(self) -> None:
-        if self.states or self.drafts:
-            raise AssertionError(f"speculation state left: {sorted(set(self.states) | set(self.drafts))}")
+        left = set(self.states) | set(self.drafts) | set(self.deferred)
+        if left:
+            raise AssertionError(f"speculation state left: {sorted(left)}")
         self.proposer.check_idle()
 
 

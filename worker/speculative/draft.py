@@ -98,6 +98,28 @@ class DraftModelProposer(Proposer):
             return True
         return max(req.prompt_token_ids) < v and (not req.output_token_ids or max(req.output_token_ids) < v)
 
+    def backlog(self, req: Request) -> int:
+        kv = self.kv.get(req.request_id)
+        return req.num_tokens - (0 if kv is None else kv.num_computed)
+
+    def catch_up(self, reqs: Sequence[Request], ns: Sequence[int]) -> None:
+        """One draft forward pass over the next ``ns[i]`` unread tokens of each request (no
+        logits): the catch-up a proposal would otherwise do in one unbudgeted chunk."""
+        chunks = []
+        for r, n in zip(reqs, ns, strict=True):
+            kv = self.kv.setdefault(r.request_id, DraftKV())
+            end = kv.num_computed + n
+            if not 1 <= n <= r.num_tokens - kv.num_computed:
+                raise ValueError(
+                    f"request {r.request_id}: cannot catch up {n} of {r.num_tokens - kv.num_computed} tokens"
+                )
+            if not self.blocks.grow(kv.block_table, end):
+                raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
+            chunks.append(SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 0))
+        self.runner.run(chunks)
+        for r, n in zip(reqs, ns, strict=True):
+            self.kv[r.request_id].num_computed += n
+
     def _draw(
         self,
         logits: torch.Tensor,  # [n, draft vocab]

@@ -20,6 +20,9 @@ Invariants every proposer keeps:
 - **Rolling back** is :meth:`Proposer.settle`: after verification it keeps what belongs to the
   accepted prefix and forgets the rest, so that the next proposal continues from the tokens
   the request really has.
+- **Catching up** is :meth:`Proposer.catch_up`: a proposer whose state lags a request's
+  tokens (:meth:`Proposer.backlog`: the draft model after the prompt, a preemption or a pause)
+  reads them in budgeted chunks before it drafts for it again; see the SpecDecoder.
 - **Failure** is an exception; the SpecDecoder then releases the requests involved and retries
   them one by one, so a proposer must come out of a failed call with every request releasable.
 """
@@ -72,6 +75,16 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
         """Draft ``ks[i] >= 1`` tokens for each of ``reqs`` (the values :meth:`plan` returned)."""
+
+    def backlog(self, req: Request) -> int:  # noqa: ARG002 - proposers that keep no per-token state
+        """Tokens of ``req`` this proposer has not read yet: 1 or 2 in steady decoding (the
+        target's last token, or a fully accepted round's last draft and the bonus token); the
+        whole sequence the first time, and what came since after a preemption or a pause."""
+        return 0
+
+    def catch_up(self, reqs: Sequence[Request], ns: Sequence[int]) -> None:  # noqa: B027
+        """Read the next ``ns[i] >= 1`` unread tokens of each of ``reqs`` (no drafting), so that
+        its backlog shrinks by that many. Only called for requests with a backlog."""
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:  # noqa: B027
         """After verification of ``k`` drafts of which ``accepted`` were kept, for a request
