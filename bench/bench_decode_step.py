@@ -95,6 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     r: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "context": args.context}
+    r["threads"] = torch.get_num_threads()
     for which in ("target", "draft"):
         r[which] = {
             "ours_ms": ours_ms(which, args.context, args.steps),
@@ -107,9 +108,12 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "decode_step.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(r, indent=1) + "\n")
-    write_section(
-        "decode-step",
-        f"""## Decode step of the default models (batch 1, float32, context {args.context})
+    write_section("decode-step", render(r))
+
+
+def render(r: dict) -> str:
+    threads = r.get("threads") or r["machine"].split(", ")[-1].split()[0]  # machine() ends with "N threads"
+    return f"""## Decode step of the default models (batch 1, float32, context {r["context"]})
 
 Command: `python bench/bench_decode_step.py` — {r["date"]}, {r["machine"]}
 
@@ -125,14 +129,12 @@ On CPU the model lays each projection's weight out for the intra-op threads (`Ll
 docs/models.md): one thread gets `[in, out]`, `p` threads get `p` column blocks multiplied as one batched
 product (one block per thread). Same run, same steps:
 
-| batch | `[out, in]`, checkpoint (ms) | `[in, out]` (ms) | column blocks, {torch.get_num_threads()} threads (ms) | checkpoint / blocks |
+| batch | `[out, in]`, checkpoint (ms) | `[in, out]` (ms) | column blocks, {threads} threads (ms) | checkpoint / blocks |
 | --- | --- | --- | --- | --- |
-"""
-        + "".join(
-            f"| {x['batch']} | {x['out_in_ms']:.2f} | {x['in_out_ms']:.2f} | {x['blocks_ms']:.2f} | "
-            f"**{x['out_in_ms'] / x['blocks_ms']:.2f}x** |\n"
-            for x in r["layout"]
-        ),
+""" + "".join(
+        f"| {x['batch']} | {x['out_in_ms']:.2f} | {x['in_out_ms']:.2f} | {x['blocks_ms']:.2f} | "
+        f"**{x['out_in_ms'] / x['blocks_ms']:.2f}x** |\n"
+        for x in r["layout"]
     )
 
 
