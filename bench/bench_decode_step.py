@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, machine, write_section  # noqa: E402
+from benchlib import machine, save_results, write_section  # noqa: E402
 
 from draftwise.worker import default_model_path  # noqa: E402
 from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
@@ -105,9 +105,7 @@ def main() -> None:
     r["draft_over_target_hf"] = r["draft"]["hf_ms"] / r["target"]["hf_ms"]
     r["layout"] = layout_rows(args.context, args.steps)
     print(json.dumps(r, indent=1))
-    out = ROOT / "bench" / "results" / "decode_step.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(r, indent=1) + "\n")
+    save_results("decode_step", r)
     write_section("decode-step", render(r))
 
 

@@ -38,7 +38,7 @@ import torch
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, heldout_prompts, machine, write_section  # noqa: E402
+from benchlib import heldout_prompts, machine, save_results, write_section  # noqa: E402
 
 from draftwise.hop import generate_secret, write_secret_file  # noqa: E402
 from draftwise.logs import configure_logging  # noqa: E402
@@ -268,9 +268,7 @@ def main() -> None:
             for p in procs:
                 p.terminate()
                 p.wait(30)
-    out = ROOT / "bench" / "results" / "gateway.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    save_results("gateway", results)
     write_section("gateway", render(results))
 
 

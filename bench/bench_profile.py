@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, heldout_prompts, machine, write_section  # noqa: E402
+from benchlib import heldout_prompts, machine, save_results, write_section  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
@@ -161,9 +161,7 @@ def main() -> None:
     r["read_gb_s_1_thread"] = read_bandwidth(1) / 1e9
     r["read_gb_s_all_threads"] = read_bandwidth(args.threads) / 1e9
     print(json.dumps(r, indent=1))
-    out = ROOT / "bench" / "results" / "profile.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(r, indent=1) + "\n")
+    save_results("profile", r)
     write_section("profile", render(r))
 
 

@@ -294,6 +294,17 @@ def _fixed_k_points(rows: dict) -> tuple[list[int], list[float]]:
     return [k for k, _ in pts], [m for _, m in pts]
 
 
+def _save(plt, fig, ax, path: Path, stamp: str) -> Path:
+    """Grid, legend and the command and date in a corner; write ``path``."""
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.text(0.01, 0.01, f"bench/bench_spec.py, {stamp}", fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(r: dict, folder: Path) -> list[Path]:
     """Draw the plots the results allow into ``folder``; returns the files written.
 
@@ -320,13 +331,7 @@ def plot(r: dict, folder: Path) -> list[Path]:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tokens/s")
         ax.set_title("Throughput against concurrency (default pair, float32, CPU)", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.text(0.01, 0.01, f"bench/bench_spec.py, {rows[0].get('date', '')}", fontsize=7, alpha=0.7)
-        fig.tight_layout()
-        written.append(folder / "spec_concurrency.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(_save(plt, fig, ax, folder / "spec_concurrency.png", rows[0].get("date", "")))
     series = []
     if "greedy" in r:
         series.append(("draft model (batch 1, greedy)", *_fixed_k_points(r["greedy"]["spec"])))
@@ -354,13 +359,7 @@ def plot(r: dict, folder: Path) -> list[Path]:
         ax.set_xlabel("draft tokens per step (fixed k)")
         ax.set_ylabel("mean accepted length (tokens per verify step)")
         ax.set_title("Accepted length against k", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.text(0.01, 0.01, f"bench/bench_spec.py, {stamp}", fontsize=7, alpha=0.7)
-        fig.tight_layout()
-        written.append(folder / "spec_accepted_length.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(_save(plt, fig, ax, folder / "spec_accepted_length.png", stamp))
     return written
 
 

@@ -3,6 +3,7 @@ of docs/benchmarks.md between markers so that each benchmark owns its own sectio
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -65,6 +66,14 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best
+
+
+def save_results(name: str, results: dict) -> Path:
+    """Write ``results`` to bench/results/``name``.json (the source of the docs' tables and plots)."""
+    out = ROOT / "bench" / "results" / f"{name}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    return out
 
 
 def write_section(name: str, body: str) -> None:
