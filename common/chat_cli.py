@@ -10,8 +10,11 @@ the other (no prompt), so a script can pipe a conversation through it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,6 +40,44 @@ def add_chat_args(c: argparse.ArgumentParser, server_type: Any, default_port: in
     c.add_argument("--api-key", default=None, help=f"API key (default: ${api_key_env})")
     c.add_argument("--tls", action="store_true", help="connect over TLS (system roots)")
     c.add_argument("--tls-ca", default=None, help="connect over TLS trusting this PEM root certificate")
+
+
+_CAN_MASK = hasattr(signal, "pthread_sigmask")
+
+
+@contextlib.contextmanager
+def sigint_to_this_thread_only() -> Iterator[None]:
+    """Block SIGINT in this (the main) thread while the block runs, so that every thread
+    started meanwhile, gRPC's included, inherits a mask that blocks it; restore the mask after.
+
+    A terminal's Ctrl-C sends SIGINT to the process, and the kernel gives it to any thread
+    that does not block it. Python runs signal handlers only in the main thread: when a gRPC
+    thread took it, the main thread, asleep in the prompt's select(), never woke and Ctrl-C
+    did nothing until the next key. With every other thread blocking SIGINT, the kernel gives
+    it to the main thread, at the moments it unblocks it (:func:`sigint_allowed`)."""
+    if not _CAN_MASK:
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C pending once the session is over: it is over
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def sigint_allowed() -> Iterator[None]:
+    """Let SIGINT in (to this thread) while the block runs: at the prompt and while a reply
+    streams. A Ctrl-C that came while it was blocked is raised on entry."""
+    if not _CAN_MASK:
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending SIGINT raises KeyboardInterrupt here
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 class Chat:
@@ -69,16 +110,17 @@ class Chat:
         messages = [*self.history, ("user", text)]
         chat = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
         start = pb.StartGeneration(model=self.args.model, prompt=pb.Prompt(chat=chat), sampling_params=self.params)
-        call = self.stub.GenerateStream(
+        call = self.stub.GenerateStream(  # may start gRPC threads: under run_chat they inherit SIGINT blocked
             gspb.GenerateStreamRequest(start=start), metadata=self.metadata, timeout=self.args.timeout
         )
         reply: list[str] = []
         try:
-            for resp in call:
-                if resp.event.WhichOneof("kind") == "delta":
-                    reply.append(resp.event.delta.text)
-                    out.write(resp.event.delta.text)
-                    out.flush()
+            with sigint_allowed():  # Ctrl-C cancels the reply in progress
+                for resp in call:
+                    if resp.event.WhichOneof("kind") == "delta":
+                        reply.append(resp.event.delta.text)
+                        out.write(resp.event.delta.text)
+                        out.flush()
         finally:
             call.cancel()  # Ctrl-C mid-reply: the server stops generating
         answer = "".join(reply)
@@ -103,12 +145,14 @@ def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
     while True:
         if interactive:
             try:
-                text = input(PROMPT)  # line editing (readline)
+                with sigint_allowed():
+                    text = input(PROMPT)  # line editing (readline)
             except EOFError:  # Ctrl-D
                 out.write("\n")
                 return 0
         else:
-            line = stdin.readline()
+            with sigint_allowed():
+                line = stdin.readline()
             if not line:  # end of input
                 return 0
             text = line.rstrip("\n")
@@ -130,11 +174,16 @@ def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
 
 def run_chat(args: argparse.Namespace, api_key_env: str) -> int:
     """The ``chat`` command: 0 when the conversation ends (Ctrl-D, Ctrl-C, end of input)."""
-    from draftwise.cli import _tls_hint, _wait_serving
-
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    with sigint_to_this_thread_only():  # before gRPC starts any thread: they all inherit SIGINT blocked
+        return _run_chat(args, api_key_env)
+
+
+def _run_chat(args: argparse.Namespace, api_key_env: str) -> int:
+    from draftwise.cli import _tls_hint, _wait_serving
+
     try:
         channel = _channel(args)
     except OSError as e:

@@ -271,6 +271,46 @@ def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d_or_ctrl_c(
         os.close(fd)
 
 
+def _sigint_blocked(pid: int, tid: int) -> bool:
+    """Whether thread ``tid`` of ``pid`` blocks SIGINT (its SigBlk mask, /proc)."""
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
+def test_chat_leaves_sigint_to_its_main_thread(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to the process, and the kernel hands it to any thread that does
+    not block it; Python only acts on it in the main thread. So at the prompt, after a reply
+    (gRPC's threads are all up), every thread but the main one blocks SIGINT and the main one
+    does not: Ctrl-C always wakes the prompt (it once did nothing when a gRPC thread took it)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: draftwise chat on a terminal
+        os.chdir(tmp_path)
+        os.execve(sys.executable, chat_cmd(chat_gateway.address), child_env())
+    try:
+        _read_until(fd, b">>> ")
+        os.write(fd, b"def fibonacci(n):\n")
+        _read_until(fd, b">>> ")  # a reply streamed: the channel's threads exist
+        time.sleep(0.2)  # the main thread is back in the prompt's select()
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        assert len(tids) > 1, "gRPC started no thread: nothing to check"
+        others = [t for t in tids if t != pid]
+        assert not _sigint_blocked(pid, pid), "the main thread blocks SIGINT at the prompt"
+        assert [t for t in others if not _sigint_blocked(pid, t)] == [], "threads that could take Ctrl-C"
+        # and a SIGINT to the process (what the terminal sends) ends the session at once
+        os.kill(pid, signal.SIGINT)
+        rest = _read_until(fd, b"\n", timeout=30)
+        assert b"Traceback" not in rest
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
 def _run_snippet(code: str, tmp_path: Path) -> str:
     res = subprocess.run(
         [sys.executable, "-c", code],

@@ -52,16 +52,31 @@ def test_cpu_load_lays_weights_out_for_the_threads() -> None:
         else:
             assert m.weight.shape == (threads, m.out_features // threads, m.in_features)
             assert m.weight.transpose(1, 2).is_contiguous()
-    assert model._lm_head is not None  # tied: a laid-out copy of the embedding
-    assert torch.equal(model._lm_head.dense_weight(), model.embed_tokens.weight)
+    # tied: the LM head is laid out too, and the embedding reads the same storage (no second copy)
+    head = model._lm_head
+    assert head is not None and head.weight is model.embed_tokens.weight
     checkpoint = load_model(default_model_path("target"), dtype="float32").model
     checkpoint.set_cpu_layout(None)
-    # the copy is no parameter: the model's parameters (and weight bytes) are the checkpoint's
+    assert torch.equal(head.dense_weight(), checkpoint.embed_tokens.weight)
+    ids = torch.tensor([0, 1, 2, 4095, 4096, 8191, 17, 17])
+    assert torch.equal(model._embed(ids), checkpoint.embed_tokens.weight[ids])
+    # the model's parameters (and weight bytes) are the checkpoint's: nothing is held twice
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in checkpoint.parameters())
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == len(list(model.parameters()))
 
 
 def test_blocks_divide_the_columns_and_are_not_too_narrow() -> None:
-    for out, parts, want in [(256, 2, 2), (256, 3, 2), (256, 4, 4), (256, 64, 4), (96, 2, 1), (1536, 7, 6), (10, 2, 1)]:
+    for out, parts, want in [
+        (256, 2, 2),
+        (256, 3, 2),
+        (256, 4, 4),
+        (256, 64, 4),
+        (8192, 64, 8),
+        (96, 2, 1),
+        (1536, 7, 6),
+        (10, 2, 1),
+    ]:
         m = Linear(8, out, bias=False)
         m.set_cpu_layout(parts)
         got = 1 if m.weight.dim() == 2 else m.weight.shape[0]
@@ -81,6 +96,11 @@ def test_every_layout_holds_the_checkpoint_values(parts: int | None) -> None:
             assert (a(x) - b(x)).abs().max().item() < 1e-5, name
             assert b(x[:0]).shape == (0, a.out_features), name  # no rows (a chunk that asks for no logits)
     assert ref._lm_head is None and (parts is None) == (model._lm_head is None)
+    ids = torch.arange(ref.config.vocab_size)
+    assert torch.equal(model._embed(ids), ref._embed(ids))
+    back = _target(parts).model
+    back.set_cpu_layout(None)  # and back to the checkpoint's layout
+    assert torch.equal(back.embed_tokens.weight, ref.embed_tokens.weight) and back._lm_head is None
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4])

@@ -22,6 +22,7 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 MIN_BLOCK_COLUMNS = 64  # narrower column blocks cost more in per-block overhead than their thread brings
+MAX_BLOCKS = 8  # a few cores already draw what memory gives; more blocks only thin out large products
 
 
 class Linear(nn.Linear):
@@ -37,16 +38,17 @@ class Linear(nn.Linear):
         than ``[out, in]`` for one row; with ``parts = p > 1`` it is stored as ``p`` column
         blocks ``[p, in, out / p]`` and multiplied as one batched product, which torch runs
         one block per thread (fewer where ``p`` does not divide the columns or would make
-        blocks narrower than ``MIN_BLOCK_COLUMNS``): another 1.4-1.9x for 1-16 rows, about even at 64-512 rows and
+        blocks narrower than ``MIN_BLOCK_COLUMNS``, and at most ``MAX_BLOCKS``): another 1.4-1.9x for 1-16 rows, about even at 64-512 rows and
         up to ~5% slower on 2,048-row prompt chunks (docs/benchmarks.md, "CPU weight layout").
-        ``weight`` stays an ``[out, in]`` tensor (a view of the blocks for ``p = 1``, a
+        Measured with 2 threads only; the cap keeps many-core machines from splitting a
+        product into thin blocks. ``weight`` stays an ``[out, in]`` tensor (a view of the blocks for ``p = 1``, a
         ``[p, out / p, in]`` view for ``p > 1``; :meth:`dense_weight` gives it 2-D)."""
         w = self.dense_weight()
         out_features, in_features = w.shape
         if parts is not None:  # the most blocks up to ``parts`` that divide the columns evenly, none too narrow
             parts = next(
                 p
-                for p in range(max(1, parts), 0, -1)
+                for p in range(min(max(1, parts), MAX_BLOCKS), 0, -1)
                 if p == 1 or (out_features % p == 0 and out_features // p >= MIN_BLOCK_COLUMNS)
             )
         if parts is None:
@@ -175,7 +177,7 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
-        self._lm_head: Linear | None = None  # a tied LM head's laid-out copy on CPU (set_cpu_layout), unregistered
+        self._lm_head: Linear | None = None  # a tied LM head laid out on CPU (set_cpu_layout), unregistered
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -191,22 +193,38 @@ class LlamaModel(nn.Module):
     def set_cpu_layout(self, parts: int | None) -> None:
         """Lay every projection's weight out for CPU decoding with ``parts`` threads (None:
         as in the checkpoint); see :meth:`Linear.set_cpu_layout`. ``bind`` does it on CPU
-        with the intra-op thread count. A tied LM head keeps the embedding for lookups and
-        gets a laid-out copy for the logits (``vocab x hidden`` more values in memory)."""
+        with the intra-op thread count. A tied LM head is laid out the same way, and the
+        embedding lookups read the same storage (``_embed``): no second copy of the matrix."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.set_cpu_layout(parts)
         head = None
-        if parts is not None and self.lm_head is None:
-            head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
-            head.weight = nn.Parameter(self.embed_tokens.weight, requires_grad=False)
-            head.set_cpu_layout(parts)  # a copy: the embedding keeps its own layout
-        # not a submodule: the model's parameters (and their bytes) stay the checkpoint's
+        if self.lm_head is None:
+            embedding = self._embedding_dense()
+            if parts is not None:
+                head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+                head.weight = nn.Parameter(embedding, requires_grad=False)
+                head.set_cpu_layout(parts)
+                self.embed_tokens.weight = head.weight  # [vocab, hidden] or [p, vocab / p, hidden]: one parameter
+            else:
+                self.embed_tokens.weight = nn.Parameter(embedding.contiguous(), requires_grad=False)
+        # not a submodule: its weight is the embedding's parameter, counted once
         object.__setattr__(self, "_lm_head", head)
+
+    def _embedding_dense(self) -> torch.Tensor:  # [vocab, hidden]
+        w = self.embed_tokens.weight
+        return w if w.dim() == 2 else w.reshape(-1, w.shape[-1])
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        w = self.embed_tokens.weight
+        if w.dim() == 2:
+            return F.embedding(input_ids, w)
+        block = w.shape[1]  # column blocks of a tied LM head: row v is row v % block of block v // block
+        return w[input_ids // block, input_ids % block]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
+        return self._embedding_dense() if self.lm_head is None else self.lm_head.dense_weight()
 
     def forward(
         self,
@@ -216,7 +234,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual = None
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
@@ -226,4 +244,4 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         head = self._lm_head if self._lm_head is not None else self.lm_head
-        return (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
+        return (F.linear(hidden, self._embedding_dense()) if head is None else head(hidden)).float()
