@@ -6,6 +6,7 @@ offline ``LLM.chat``; and the INVALID_ARGUMENT of every conversation that cannot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pty
 import select
@@ -245,30 +246,42 @@ def _read_until(fd: int, needle: bytes, timeout: float = 60.0) -> bytes:
     return buf
 
 
+@contextlib.contextmanager
+def _chat_on_a_terminal(address: str, tmp_path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """``draftwise chat`` in a child process on a pseudo-terminal: (pid, the terminal's fd),
+    past its first reply to ``def fibonacci(n):`` (yielded with the output of that turn as
+    the third item); killed and reaped on the way out."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: draftwise chat on a terminal
+        os.chdir(tmp_path)
+        os.execve(sys.executable, chat_cmd(address), child_env())
+    try:
+        _read_until(fd, b">>> ")
+        os.write(fd, b"def fibonacci(n):\n")
+        yield pid, fd, _read_until(fd, b">>> ")  # the reply, then the next prompt
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
+def _ends_cleanly(pid: int, fd: int) -> None:
+    rest = _read_until(fd, b"\n", timeout=30)
+    assert b"Traceback" not in rest
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.parametrize("key", [b"\x04", b"\x03"], ids=["ctrl-d", "ctrl-c"])
 def test_chat_command_in_a_terminal_streams_and_ends_on_ctrl_d_or_ctrl_c(
     key: bytes, chat_gateway: Proc, chat_llm: LLM, tmp_path: Path
 ) -> None:
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: draftwise chat on a terminal
-        os.chdir(tmp_path)
-        os.execve(sys.executable, chat_cmd(chat_gateway.address), child_env())
-    try:
-        _read_until(fd, b">>> ")
-        os.write(fd, b"def fibonacci(n):\n")
-        out = _read_until(fd, b">>> ")  # the reply, then the next prompt
+    with _chat_on_a_terminal(chat_gateway.address, tmp_path) as (pid, fd, out):
         want = reply(chat_llm, [{"role": "user", "content": "def fibonacci(n):"}])
         assert want.replace("\n", "\r\n").encode() in out
         os.write(fd, key)  # Ctrl-D (end of input) or Ctrl-C (SIGINT from the terminal)
-        rest = _read_until(fd, b"\n", timeout=30)
-        assert b"Traceback" not in rest
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        with __import__("contextlib").suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+        _ends_cleanly(pid, fd)
 
 
 def _sigint_blocked(pid: int, tid: int) -> bool:
@@ -279,36 +292,19 @@ def _sigint_blocked(pid: int, tid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
-def test_chat_leaves_sigint_to_its_main_thread(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
+def test_chat_leaves_sigint_to_its_main_thread(chat_gateway: Proc, tmp_path: Path) -> None:
     """A terminal's Ctrl-C goes to the process, and the kernel hands it to any thread that does
     not block it; Python only acts on it in the main thread. So at the prompt, after a reply
     (gRPC's threads are all up), every thread but the main one blocks SIGINT and the main one
     does not: Ctrl-C always wakes the prompt (it once did nothing when a gRPC thread took it)."""
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: draftwise chat on a terminal
-        os.chdir(tmp_path)
-        os.execve(sys.executable, chat_cmd(chat_gateway.address), child_env())
-    try:
-        _read_until(fd, b">>> ")
-        os.write(fd, b"def fibonacci(n):\n")
-        _read_until(fd, b">>> ")  # a reply streamed: the channel's threads exist
+    with _chat_on_a_terminal(chat_gateway.address, tmp_path) as (pid, fd, _):  # a reply streamed: gRPC's threads exist
         time.sleep(0.2)  # the main thread is back in the prompt's select()
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
         assert len(tids) > 1, "gRPC started no thread: nothing to check"
-        others = [t for t in tids if t != pid]
         assert not _sigint_blocked(pid, pid), "the main thread blocks SIGINT at the prompt"
-        assert [t for t in others if not _sigint_blocked(pid, t)] == [], "threads that could take Ctrl-C"
-        # and a SIGINT to the process (what the terminal sends) ends the session at once
-        os.kill(pid, signal.SIGINT)
-        rest = _read_until(fd, b"\n", timeout=30)
-        assert b"Traceback" not in rest
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        with __import__("contextlib").suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+        assert [t for t in tids if t != pid and not _sigint_blocked(pid, t)] == [], "threads that could take Ctrl-C"
+        os.kill(pid, signal.SIGINT)  # what the terminal sends: the session ends at once
+        _ends_cleanly(pid, fd)
 
 
 def _run_snippet(code: str, tmp_path: Path) -> str:
