@@ -206,6 +206,15 @@ def test_chat_command_reports_a_refusal_and_exits_1(gateway: Proc, tmp_path: Pat
     assert "Traceback" not in res.stderr
 
 
+def _as_from_a_shell() -> None:
+    """In a child before exec: SIGINT handled by default and nothing blocked, as an interactive
+    shell starts a program. A test run started in the background (``cmd &`` in a script)
+    ignores SIGINT, and an ignored signal stays ignored across exec: the chat would then
+    rightly ignore Ctrl-C (Python installs its KeyboardInterrupt handler only over SIG_DFL)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
     want = reply(chat_llm, [{"role": "user", "content": "def f():"}]) + "\n"
     p = subprocess.Popen(
@@ -216,6 +225,7 @@ def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc,
         text=True,
         env=child_env(),
         cwd=tmp_path,
+        preexec_fn=_as_from_a_shell,
     )
     assert p.stdin is not None
     p.stdin.write("def f():\n")
@@ -223,6 +233,7 @@ def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc,
     assert p.stdout is not None
     first = p.stdout.read(len(want))  # the first reply is out: it now waits on stdin
     p.send_signal(signal.SIGINT)
+    p.wait(timeout=30)  # stdin still open: only the SIGINT can have ended it
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     assert first == want
@@ -254,6 +265,7 @@ def _chat_on_a_terminal(address: str, tmp_path: Path) -> Iterator[tuple[int, int
     pid, fd = pty.fork()
     if pid == 0:  # the child: draftwise chat on a terminal
         os.chdir(tmp_path)
+        _as_from_a_shell()
         os.execve(sys.executable, chat_cmd(address), child_env())
     try:
         _read_until(fd, b">>> ")
@@ -303,6 +315,17 @@ def test_chat_leaves_sigint_to_its_main_thread(chat_gateway: Proc, tmp_path: Pat
         assert len(tids) > 1, "gRPC started no thread: nothing to check"
         assert not _sigint_blocked(pid, pid), "the main thread blocks SIGINT at the prompt"
         assert [t for t in tids if t != pid and not _sigint_blocked(pid, t)] == [], "threads that could take Ctrl-C"
+        st = Path(f"/proc/{pid}/status").read_text()
+        print(
+            "DIAG child",
+            [x for x in st.splitlines() if x.startswith(("SigIgn", "SigCgt", "SigBlk", "SigPnd", "ShdPnd"))],
+        )
+        me = Path("/proc/self/status").read_text()
+        print(
+            "DIAG pytest",
+            [x for x in me.splitlines() if x.startswith(("SigIgn", "SigCgt", "SigBlk"))],
+            signal.getsignal(signal.SIGINT),
+        )
         os.kill(pid, signal.SIGINT)  # what the terminal sends: the session ends at once
         _ends_cleanly(pid, fd)
 
