@@ -349,7 +349,8 @@ EXPLANATION = """\
 Goals: at most 5% of throughput lost (>= 95% kept at 64 streams), at most 1 ms added to p99 inter-token latency.
 
 Where the time goes (py-spy with native frames, sampling the gateway and the worker during 64-stream runs,
-2026-12-01; idle waits in `epoll_wait` left out):
+2026-12-01, when the engine ran at about half its present speed; idle waits in `epoll_wait` left out; the
+reading of the present figures, with a newer sample of the worker, is in "Goals" at the top):
 
 - **The gateway** spends about 100 µs of CPU per output token. Of its busy samples, about 42% are system calls
   (`sendmsg`, `recv`, the `write` that wakes the event loop from the grpc.aio poller thread), 30% gRPC's C core
