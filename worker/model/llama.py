@@ -222,10 +222,6 @@ class LlamaModel(nn.Module):
         block = w.shape[1]  # column blocks of a tied LM head: row v is row v % block of block v // block
         return w[input_ids // block, input_ids % block]
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
-        return self._embedding_dense() if self.lm_head is None else self.lm_head.dense_weight()
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64

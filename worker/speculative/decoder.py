@@ -220,12 +220,12 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ catch up
 
-    def catch_up(self, budget: int, fail: Fail) -> int:
+    def catch_up(self, budget: int, fail: Fail) -> None:
         """Let the proposer read the unread tokens of the requests it lags behind (``behind``,
         oldest first), at most ``budget`` tokens in all: what the step's token budget has left
         after the target's tokens and the drafts. The rest waits for the next steps; meanwhile
         those requests decode plainly. When the batch fails, each request catches up alone and
-        those that still fail are finished. Returns the tokens read."""
+        those that still fail are finished."""
         reqs, ns = [], []
         for r in self.behind.values():
             if budget <= 0:
@@ -239,25 +239,22 @@ class SpecDecoder:
                 budget -= n
         self.behind = {}
         if not reqs:
-            return 0
+            return
         try:
             self.proposer.catch_up(reqs, ns)
-            return sum(ns)
+            return
         except Exception as e:
             if self.is_fatal(e):
                 raise
             log.warning("catch-up failed for the batch; isolating", error=repr(e), requests=len(reqs))
-        done = 0
         for r, n in zip(reqs, ns, strict=True):
             self.proposer.release(r)  # whatever the failed batch left behind: start over from nothing
             try:
-                self.proposer.catch_up([r], [min(n, self.proposer.backlog(r))])
-                done += n
+                self.proposer.catch_up([r], [n])
             except Exception as e:
                 if self.is_fatal(e):
                     raise
                 fail(r, e)
-        return done
 
     # ------------------------------------------------------------------ propose
 

@@ -107,12 +107,10 @@ class DraftModelProposer(Proposer):
         logits): the catch-up a proposal would otherwise do in one unbudgeted chunk."""
         chunks = []
         for r, n in zip(reqs, ns, strict=True):
+            if not 1 <= n <= self.backlog(r):
+                raise ValueError(f"request {r.request_id}: cannot catch up {n} of {self.backlog(r)} tokens")
             kv = self.kv.setdefault(r.request_id, DraftKV())
             end = kv.num_computed + n
-            if not 1 <= n <= r.num_tokens - kv.num_computed:
-                raise ValueError(
-                    f"request {r.request_id}: cannot catch up {n} of {r.num_tokens - kv.num_computed} tokens"
-                )
             if not self.blocks.grow(kv.block_table, end):
                 raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
             chunks.append(SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 0))
