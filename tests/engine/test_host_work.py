@@ -15,7 +15,9 @@ lengths:
   both lengths (no Python loop over the context).
 (tracemalloc's peak was tried as a third measure and dropped: it moves by a few KB from run to
 run whatever the context.)
-Counts, not timings: the result does not depend on the machine's speed.
+Counts, not timings: the result does not depend on the machine's speed. The test runs twice: on
+the eager path, and with a graph runner standing in for CUDA graphs (its padded static buffers
+take their block-table rows from the same persistent rows, device to device).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pytest
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.model.block_tables import BlockTable, BlockTableRows, truncate_table
+from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
 from draftwise.worker.sampling.sampling_params import SamplingParams
 
 NUM_SEQS = 4
@@ -39,9 +42,11 @@ SHORT, LONG = 40, 40 + 91 * BLOCK_SIZE
 steps at both lengths)."""
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(
+@pytest.fixture(scope="module", params=["eager", "graph runner"])
+def engine(request: pytest.FixtureRequest) -> LLMEngine:
+    """The engine as it runs on CPU, and with a graph runner over the same persistent rows
+    standing in for CUDA graphs (the same padded static-buffer path, run eagerly)."""
+    eng = LLMEngine(
         EngineConfig(
             dtype="float32",
             max_model_len=2048,
@@ -51,6 +56,17 @@ def engine() -> LLMEngine:
             skip_tokenizer_init=True,
         )
     )
+    if request.param == "graph runner":
+        r = eng.runner
+        r.graph_runner = GraphRunner(
+            r.model,
+            r.kv_cache,
+            r.backend,
+            GraphConfig.for_steps(NUM_SEQS, 1, max_model_len=2048),
+            use_graphs=False,
+            block_rows=r.block_tables,
+        )
+    return eng
 
 
 def _decode_work(engine: LLMEngine, prompt_len: int) -> dict[str, object]:
@@ -68,6 +84,8 @@ def _decode_work(engine: LLMEngine, prompt_len: int) -> dict[str, object]:
         engine.step()
     rows: BlockTableRows = engine.runner.block_tables
     written0 = rows.entries_written
+    graphs = engine.runner.graph_runner
+    replays0 = graphs.num_replays if graphs is not None else 0
     calls: Counter[str] = Counter()
 
     def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
@@ -85,6 +103,8 @@ def _decode_work(engine: LLMEngine, prompt_len: int) -> dict[str, object]:
         engine.abort_request(r.request_id)
     engine.step()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    if graphs is not None:
+        assert graphs.num_replays - replays0 == STEPS  # every measured step went through the graph path
     return {
         "written": rows.entries_written - written0,
         "calls": calls["call"],

@@ -50,7 +50,7 @@ def test_dry_run_passes_and_prints_the_table_last(tmp_path):
         "write_kv_cache float32 bs16",
         "rms_norm+residual float32",
         "rejection_accept float32 (draft q, n-gram)",
-        "replay == eager logits, 12 shapes",
+        "replay == eager logits, 15 shapes",  # 3 decode shapes, 12 flat ones (Q = 4)
         "replay == eager spec off float32",
         "replay == eager spec draft k=3 float32",
         "replay == eager spec ngram k=4 float32",

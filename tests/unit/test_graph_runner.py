@@ -1,6 +1,7 @@
-"""The graph runner's plain parts on CPU: bucket choice, padding of every static buffer,
-the eager fallbacks, and the whole replay path (static buffers, padding, dropped outputs)
-run eagerly against ModelRunner.run on the same steps."""
+"""The graph runner's plain parts on CPU: shape choice, padding of every static buffer,
+the eager fallbacks, and the whole replay path (static buffers, flat padding, block tables
+from the persistent rows, dropped outputs) run eagerly against ModelRunner.run on the same
+steps."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from draftwise.kernels import get_attention_backend
 from draftwise.worker import default_model_path
+from draftwise.worker.model.block_tables import BlockTable, truncate_table
 from draftwise.worker.model.graph_runner import (
     GraphConfig,
     GraphRunner,
@@ -20,13 +22,13 @@ from draftwise.worker.model.graph_runner import (
     graph_unsupported_reason,
     pad_batch,
     plan_batch,
-    query_len_buckets,
+    token_buckets,
 )
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import load_model
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 
-# ---------------------------------------------------------------- buckets
+# ---------------------------------------------------------------- shapes
 
 
 def test_batch_size_buckets_cap_at_max_num_seqs():
@@ -39,85 +41,127 @@ def test_batch_size_buckets_cap_at_max_num_seqs():
         batch_size_buckets(0)
 
 
-def test_query_len_buckets():
-    assert query_len_buckets(1) == (1,)
-    assert query_len_buckets(6) == (1, 2, 3, 4, 5, 6)
-    assert query_len_buckets(17) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17)
-    with pytest.raises(ValueError):
-        query_len_buckets(0)
+def test_token_buckets():
+    assert token_buckets(2, 6) == (2, 3, 4, 6)
+    assert token_buckets(2, 5) == (2, 3, 4, 5)
+    assert token_buckets(66, 768) == (96, 128, 192, 256, 384, 512, 768)
+    assert token_buckets(130, 1000) == (192, 256, 384, 512, 768, 1000)
+    assert token_buckets(7, 7) == (7,)
+    for low, high in [(0, 4), (5, 4)]:
+        with pytest.raises(ValueError):
+            token_buckets(low, high)
 
 
 def test_graph_config_shapes_order_and_cap():
-    cfg = GraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 3))
-    assert cfg.shapes == [(1, 1), (2, 1), (1, 3), (4, 1), (2, 3), (4, 3)]
-    capped = GraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 3), max_num_tokens=6)
-    assert (4, 3) not in capped.shapes and (2, 3) in capped.shapes
-    assert GraphConfig.for_steps(5, 3).shapes == GraphConfig((1, 2, 4, 5), (1, 2, 3)).shapes
-    for bad in [dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(query_lens=(0, 1)), dict(max_num_tokens=0)]:
+    assert GraphConfig(batch_sizes=(1, 2, 4)).shapes == [(1, 1, 1), (2, 2, 1), (4, 4, 1)]  # decode only
+    cfg = GraphConfig(batch_sizes=(1, 2, 4), max_query_len=3)
+    # flat shapes: B = 1 holds 2..3 tokens, B = 2 holds 3..6 (it has more than 1 sequence), B = 4 holds 4..12
+    flat = [(1, 2, 3), (1, 3, 3), (2, 3, 3), (2, 4, 3), (2, 6, 3), (4, 4, 3), (4, 6, 3), (4, 8, 3), (4, 12, 3)]
+    assert sorted(s for s in cfg.shapes if s[2] == 3) == sorted(flat)
+    assert cfg.shapes == sorted(cfg.shapes, key=lambda s: (s[1], s[0], s[2]))  # fewest tokens first
+    capped = GraphConfig(batch_sizes=(1, 2, 4), max_query_len=3, max_num_tokens=6)
+    assert max(t for _, t, _ in capped.shapes) == 6 and (4, 6, 3) in capped.shapes
+    assert GraphConfig.for_steps(5, 3).batch_sizes == (1, 2, 4, 5)
+    for bad in [dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(max_query_len=0), dict(max_num_tokens=0)]:
         with pytest.raises(ValueError):
             GraphConfig(**bad)
 
 
-def test_choose_shape_rounds_up_and_gives_up_above_max():
-    shapes = GraphConfig(batch_sizes=(1, 2, 4, 8), query_lens=(1, 2, 4)).shapes
-    assert choose_shape(shapes, 1, 1) == (1, 1)
-    assert choose_shape(shapes, 3, 1) == (4, 1)
-    assert choose_shape(shapes, 8, 1) == (8, 1)
-    assert choose_shape(shapes, 5, 3) == (8, 4)
-    assert choose_shape(shapes, 2, 2) == (2, 2)
-    assert choose_shape(shapes, 9, 1) is None  # above the largest bucket
-    assert choose_shape(shapes, 1, 5) is None  # longer than any captured query
-    capped = GraphConfig(batch_sizes=(1, 2, 4, 8), query_lens=(1, 2, 4), max_num_tokens=16).shapes
-    assert choose_shape(capped, 5, 3) is None  # (8, 4) was not captured
+def test_choose_shape_pads_the_token_count_not_every_sequence():
+    shapes = GraphConfig(batch_sizes=(1, 2, 4, 8), max_query_len=4).shapes
+    assert choose_shape(shapes, 1, 1, 1) == (1, 1, 1)
+    assert choose_shape(shapes, 3, 3, 1) == (4, 4, 1)  # decode: a decode shape
+    assert choose_shape(shapes, 8, 8, 1) == (8, 8, 1)
+    assert choose_shape(shapes, 2, 2, 1) == (2, 2, 1)
+    assert choose_shape(shapes, 5, 9, 4) == (8, 12, 4)  # four decodes and one verify of 5: 12 tokens, not 8 x 4
+    assert choose_shape(shapes, 2, 3, 2) == (2, 3, 4)
+    assert choose_shape(shapes, 9, 9, 1) is None  # above the largest bucket
+    assert choose_shape(shapes, 1, 5, 5) is None  # longer than any captured query
+    capped = GraphConfig(batch_sizes=(1, 2, 4, 8), max_query_len=4, max_num_tokens=16).shapes
+    assert choose_shape(capped, 5, 17, 4) is None  # more tokens than any captured shape
+    assert choose_shape(capped, 5, 16, 4) == (8, 16, 4)
+    # the issue's example: 128 decodes and one verify of 1 + 5 run as 134 tokens padded to 192, not 129 x 6
+    big = GraphConfig.for_steps(256, 6, max_num_tokens=2048).shapes
+    assert choose_shape(big, 129, 134, 6) == (192, 192, 6)
 
 
 # ---------------------------------------------------------------- padding
 
 
-def test_pad_batch_fills_every_buffer():
-    bs, mb = 4, 6
+def test_pad_batch_flat_layout():
+    bs = 4
     chunks = [
-        SequenceChunk([11, 12, 13], 5, [7, 2, 9, 4], 3),  # verify: positions 5..7 in blocks 2 (offsets 1-3)
-        SequenceChunk([21], 8, [3, 1, 5, 8], 1),  # decode at position 8: block 5, table truncated to 3
+        SequenceChunk([11, 12, 13], 5, [7, 2, 9, 4], 3),  # verify: positions 5..7 in block 2 (offsets 1-3)
+        SequenceChunk([21], 8, [3, 1, 5, 8], 1),  # decode at position 8: block 5
         SequenceChunk([31, 32], 0, [6], 0),  # a short chunk asking for no logits
     ]
-    b = pad_batch(chunks, batch_size=4, query_len=4, block_size=bs, max_blocks=mb)
-    assert (b.batch_size, b.query_len, b.num_seqs, b.num_tokens) == (4, 4, 3, 16)
+    b = pad_batch(chunks, (4, 8, 4), block_size=bs)
+    assert (b.batch_size, b.num_tokens, b.query_len, b.num_seqs, b.num_real_tokens) == (4, 8, 4, 3, 6)
     pad = -1
-    assert b.input_ids.tolist() == [11, 12, 13, 0, 21, 0, 0, 0, 31, 32, 0, 0, 0, 0, 0, 0]
-    assert b.positions.tolist() == [5, 6, 7, 0, 8, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
-    assert b.slot_mapping.tolist() == [9, 10, 11, pad, 20, pad, pad, pad, 24, 25] + [pad] * 6
-    assert b.query_start_loc.tolist() == [0, 4, 8, 12, 16]
-    # real sequences end Q tokens past their start; the padding sequence holds Q tokens
-    assert b.seq_lens.tolist() == [9, 12, 4, 4]
-    assert b.block_tables.tolist() == [[7, 2, 0, 0, 0, 0], [3, 1, 5, 0, 0, 0], [6, 0, 0, 0, 0, 0], [0] * 6]
-    assert b.logit_rows.tolist() == [0, 1, 2, 4]  # padding rows and the no-logits chunk are dropped
+    assert b.input_ids.tolist() == [11, 12, 13, 21, 31, 32, 0, 0]
+    assert b.positions.tolist() == [5, 6, 7, 8, 0, 1, 0, 0]
+    assert b.slot_mapping.tolist() == [9, 10, 11, 20, 24, 25, pad, pad]
+    # the padding sequence brings no tokens, after the real ones, over no context
+    assert b.query_start_loc.tolist() == [0, 3, 4, 6, 6]
+    assert b.query_lens == [3, 1, 2, 0]
+    assert b.seq_lens.tolist() == [8, 9, 2, 0]
+    assert b.logit_rows.tolist() == [0, 1, 2, 3]  # padding rows and the no-logits chunk are dropped
     assert b.input_ids.dtype == np.int64 and b.slot_mapping.dtype == np.int64
-    assert b.seq_lens.dtype == np.int32 and b.block_tables.dtype == np.int32 and b.query_start_loc.dtype == np.int32
+    assert b.seq_lens.dtype == np.int32 and b.query_start_loc.dtype == np.int32
+
+
+def test_pad_batch_decode_layout():
+    chunks = [SequenceChunk([5], 9, [0, 3, 7]), SequenceChunk([6], 0, [2])]
+    b = pad_batch(chunks, (4, 4, 1), block_size=4)
+    assert b.input_ids.tolist() == [5, 6, 0, 0]
+    assert b.slot_mapping.tolist() == [29, 8, -1, -1]
+    assert b.query_start_loc.tolist() == [0, 1, 2, 3, 4]  # padding sequences: one token each
+    assert b.seq_lens.tolist() == [10, 1, 1, 1]
+    assert b.logit_rows.tolist() == [0, 1]
 
 
 def test_pad_batch_all_padding_and_errors():
-    b = pad_batch([], batch_size=2, query_len=1, block_size=16, max_blocks=3)
-    assert b.slot_mapping.tolist() == [-1, -1]
-    assert b.seq_lens.tolist() == [1, 1]
-    assert b.block_tables.tolist() == [[0, 0, 0], [0, 0, 0]]
-    assert b.logit_rows.tolist() == []
+    b = pad_batch([], (2, 2, 1), block_size=16)
+    assert b.slot_mapping.tolist() == [-1, -1] and b.seq_lens.tolist() == [1, 1] and b.logit_rows.tolist() == []
+    f = pad_batch([], (2, 6, 3), block_size=16)
+    assert f.slot_mapping.tolist() == [-1] * 6 and f.seq_lens.tolist() == [0, 0] and f.query_lens == [0, 0]
     with pytest.raises(ValueError, match="bucket"):
-        pad_batch([SequenceChunk([1], 0, [0])] * 3, 2, 1, 16, 3)
-    with pytest.raises(ValueError, match="tokens"):
-        pad_batch([SequenceChunk([1, 2], 0, [0])], 1, 1, 16, 3)
+        pad_batch([SequenceChunk([1], 0, [0])] * 3, (2, 2, 1), 16)
+    with pytest.raises(ValueError, match="brings 2 tokens"):
+        pad_batch([SequenceChunk([1, 2], 0, [0])], (1, 2, 1), 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_batch([SequenceChunk([1, 2], 0, [0]), SequenceChunk([1, 2], 0, [0])], (2, 3, 2), 16)
     with pytest.raises(ValueError, match="block table"):
-        pad_batch([SequenceChunk([1], 16, [0])], 1, 1, 16, 3)
+        pad_batch([SequenceChunk([1], 16, [0])], (1, 1, 1), 16)
+
+
+def test_pad_batch_reads_only_the_new_tokens_blocks():
+    """Host work follows the step's tokens: a long table is read at the new tokens' blocks only."""
+
+    class Counting(list):
+        reads = 0
+
+        def __getitem__(self, i):  # noqa: ANN001
+            out = super().__getitem__(i)
+            Counting.reads += len(out) if isinstance(i, slice) else 1
+            return out
+
+    long = Counting(range(1001))  # a 16,000-token context
+    b = pad_batch([SequenceChunk([1, 2], 15_999, long, 2)], (1, 2, 2), block_size=16)
+    assert b.slot_mapping.tolist() == [15_999, 16_000]
+    assert Counting.reads == 2  # the two blocks the new tokens land in
 
 
 def test_plan_batch_sends_other_steps_eager():
-    shapes = GraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 2)).shapes
-    args = dict(shapes=shapes, block_size=4, max_blocks=8, max_positions=32)
+    shapes = GraphConfig(batch_sizes=(1, 2, 4), max_query_len=2).shapes
+    args = dict(shapes=shapes, block_size=4, max_positions=32)
     decode = [SequenceChunk([1], 3, [0]), SequenceChunk([2], 7, [1, 2])]
     planned = plan_batch(decode, **args)
-    assert planned is not None and (planned.batch_size, planned.query_len) == (2, 1)
+    assert planned is not None and (planned.batch_size, planned.num_tokens, planned.query_len) == (2, 2, 1)
+    mixed = plan_batch([*decode, SequenceChunk([1, 2], 0, [3])], **args)
+    assert mixed is not None and (mixed.batch_size, mixed.num_tokens, mixed.query_len) == (4, 4, 2)
     assert plan_batch([], **args) is None
-    assert plan_batch([*decode, SequenceChunk([1, 2, 3], 0, [3])], **args) is None  # a prompt chunk: mixed step
+    assert plan_batch([*decode, SequenceChunk([1, 2, 3], 0, [3])], **args) is None  # a prompt chunk
     assert plan_batch([SequenceChunk([1], i, [0, 1]) for i in range(5)], **args) is None  # above the largest bucket
     # malformed steps: the eager path raises the error
     assert plan_batch([SequenceChunk([], 0, [0])], **args) is None
@@ -153,11 +197,11 @@ def test_cpu_and_enforce_eager_never_capture(loaded):
 def test_max_model_len_bounds_the_static_block_tables(loaded):
     cache = KVCache(loaded.config, 40, 4, torch.float32, "cpu")
     backend = get_attention_backend("cpu")
-    full = GraphRunner(loaded.model, cache, backend, GraphConfig(batch_sizes=(1, 2), query_lens=(1, 3)))
-    assert full.max_blocks == -(-(loaded.config.max_position_embeddings + 2) // 4)
-    gr = GraphRunner(loaded.model, cache, backend, GraphConfig(batch_sizes=(1, 2), query_lens=(1, 3), max_model_len=64))
-    assert gr.max_blocks == -(-(64 + 2) // 4)  # padded queries reach Q - 1 tokens past the context
-    table = list(range(17))
+    full = GraphRunner(loaded.model, cache, backend, GraphConfig(batch_sizes=(1, 2), max_query_len=3))
+    assert full.max_blocks == -(-loaded.config.max_position_embeddings // 4)
+    gr = GraphRunner(loaded.model, cache, backend, GraphConfig(batch_sizes=(1, 2), max_query_len=3, max_model_len=64))
+    assert gr.max_blocks == 16  # flat padding never runs a context past its real tokens
+    table = list(range(17))  # a block more than the context needs (reserved ahead): not copied past the width
     assert gr.run([SequenceChunk([5, 6, 7], 61, table, 3)]) is not None  # ends at 64: fits
     assert gr.run([SequenceChunk([5], 64, table)]) is None  # past max_model_len: eager
 
@@ -168,20 +212,23 @@ def test_max_model_len_bounds_the_static_block_tables(loaded):
 # per step, per sequence: (new tokens, logits wanted)
 STEPS = [
     [(1, 1)] * 5,  # decode of 5: bucket 8, three padding sequences
-    [(3, 3), (1, 1), (4, 4), (2, 2), (1, 1)],  # verify with different k: Q = 4
+    [(3, 3), (1, 1), (4, 4), (2, 2), (1, 1)],  # verify with different k: 11 tokens flat in a shape of 12
     [(2, 1), (1, 1)],  # draft catch-up: two tokens, logits for the last
     [(1, 1)],  # batch of one
     [(2, 2), (1, 0), (1, 1)],  # a sequence asking for no logits
+    [(1, 1), (4, 4), (1, 1), (1, 1), (1, 1)],  # mostly decodes and one long verify
+    [(1, 1)] * 3,  # decode again after flat steps: the rows of shorter steps left behind
 ]
 
 
 def test_replay_path_matches_model_runner(loaded):
     """The padded static-buffer path (eager standing in for the graph) gives the logits and
-    the KV cache that ModelRunner.run gives for the same steps; padding writes nothing."""
+    the KV cache that ModelRunner.run gives for the same steps; padding writes nothing; block
+    tables that grow, and shrink after a rejection, reach the static rows."""
     torch.manual_seed(0)
     rng = random.Random(0)
     cfg = loaded.config
-    bs, num_blocks = 4, 48
+    bs, num_blocks = 4, 64
     caches = [KVCache(cfg, num_blocks, bs, torch.float32, "cpu") for _ in range(2)]
     for c in caches:  # the same random contents in both: a stray write would show
         torch.manual_seed(1)
@@ -190,20 +237,25 @@ def test_replay_path_matches_model_runner(loaded):
     eager = ModelRunner(loaded, caches[0])
     padded_prefill = ModelRunner(loaded, caches[1])
     graphs = GraphRunner(
-        loaded.model, caches[1], padded_prefill.backend, GraphConfig(batch_sizes=(1, 2, 4, 8), query_lens=(1, 2, 4))
+        loaded.model,
+        caches[1],
+        padded_prefill.backend,
+        GraphConfig(batch_sizes=(1, 2, 4, 8), max_query_len=4),
+        block_rows=padded_prefill.block_tables,
     )
-    assert graphs.max_blocks == -(-(cfg.max_position_embeddings + 3) // bs)
     pool = list(range(num_blocks))
     rng.shuffle(pool)  # block tables out of order
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (3, 7, 9, 12, 4)]
-    tables = [pool[i * 8 : (i + 1) * 8] for i in range(5)]  # room for 32 tokens each
     lens = [len(p) for p in prompts]
+    tables = [BlockTable(pool.pop() for _ in range(-(-n // bs))) for n in lens]  # exactly what the prompts need
     prefill = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
     for r in (eager, padded_prefill):  # prompt chunks: eager on both sides
         r.run(prefill)
-    for step in STEPS:
+    for n_step, step in enumerate(STEPS):
         chunks = []
         for i, (n, logits) in enumerate(step):
+            while len(tables[i]) * bs < lens[i] + n:  # the block manager's append
+                tables[i].extend([pool.pop()])
             chunks.append(SequenceChunk([rng.randrange(cfg.vocab_size) for _ in range(n)], lens[i], tables[i], logits))
             lens[i] += n
         want = eager.run(chunks)
@@ -214,12 +266,21 @@ def test_replay_path_matches_model_runner(loaded):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-5, rtol=1e-5)
+        if n_step == 1:  # a rejection: sequence 2's last 3 verified tokens go back, with a block
+            lens[2] -= 3
+            pool.extend(tables[2][-(-lens[2] // bs) :])
+            truncate_table(tables[2], -(-lens[2] // bs))
+    assert graphs.real_tokens == sum(n for step in STEPS for n, _ in step)
+    # decode steps pad sequences (8 + 1 + 4), flat steps pad tokens (12 + 3 + 4 + 8)
+    assert graphs.padded_tokens == 8 + 12 + 3 + 1 + 4 + 8 + 4
 
 
 def test_model_runner_uses_the_graph_runner_for_small_steps_only(loaded):
     cfg = loaded.config
     runner = ModelRunner(loaded, KVCache(cfg, 16, 4, torch.float32, "cpu"))
-    gr = GraphRunner(loaded.model, runner.kv_cache, runner.backend, GraphConfig(batch_sizes=(1, 2), query_lens=(1,)))
+    gr = GraphRunner(
+        loaded.model, runner.kv_cache, runner.backend, GraphConfig(batch_sizes=(1, 2)), block_rows=runner.block_tables
+    )
     runner.graph_runner = gr  # what enable_graphs sets on CUDA
     runner.run([SequenceChunk([1, 2, 3, 4, 5], 0, [3, 4]), SequenceChunk([6, 7], 0, [5])])  # prompts: eager
     assert gr.num_replays == 0

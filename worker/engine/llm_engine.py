@@ -24,6 +24,7 @@ from draftwise.logs import ensure_logging
 from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.continuation import check_continuation
+from draftwise.worker.engine.memory_profile import cuda_peak_bytes, plan_probes, profile_activations
 from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
 from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -36,7 +37,7 @@ from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.paths import default_model_path
 from draftwise.worker.sampling.sampler import Sampler, TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.decoder import SpecDecoder, load_draft
+from draftwise.worker.speculative.decoder import MAX_INLINE_BACKLOG, SpecDecoder, load_draft
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.text.output_processor import OutputProcessor
@@ -174,9 +175,9 @@ class LLMEngine:
 
     def _capture_graphs(self, max_batched: int) -> float:
         """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
-        steps (1 + k tokens per request) and of the draft's propose steps (a catch-up of 1 or
-        2 tokens, then 1), for batch-size buckets up to max_num_seqs, all in one memory pool
-        (docs/kernels.md). Returns the seconds capture took (0.0: none)."""
+        steps (1 + k tokens per request, laid out flat) and of the draft's propose steps (its
+        unread tokens, at most MAX_INLINE_BACKLOG, then 1), for batch-size buckets up to
+        max_num_seqs, all in one memory pool (docs/kernels.md). Returns the seconds capture took (0.0: none)."""
         cfg = self.config
         if self.loaded.device.type != "cuda":
             return 0.0
@@ -189,7 +190,9 @@ class LLMEngine:
         draft = None
         if self.proposer is not None:
             draft = self.proposer.runner.enable_graphs(
-                GraphConfig.for_steps(cfg.max_num_seqs, 2, max_batched, self.max_model_len), pool, cfg.enforce_eager
+                GraphConfig.for_steps(cfg.max_num_seqs, MAX_INLINE_BACKLOG, max_batched, self.max_model_len),
+                pool,
+                cfg.enforce_eager,
             )
         seconds = time.perf_counter() - t0
         log.info(
@@ -227,7 +230,7 @@ class LLMEngine:
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.loaded.device.type == "cuda":
-            budget = self._cuda_kv_budget(max_batched)
+            budget = self._cuda_kv_budget(max_batched, draft)
         else:
             return cpu_default_kv_blocks(per_block, cfg.block_size, cfg.max_num_seqs, self.max_model_len)
         blocks = budget // per_block
@@ -235,26 +238,31 @@ class LLMEngine:
             raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
         return int(blocks)
 
-    def _cuda_kv_budget(self, max_batched: int) -> int:
-        """gpu_memory_utilization of the device, less the weights and the activation peak of
-        a profiling forward pass of ``max_batched`` tokens."""
+    def _cuda_kv_budget(self, max_batched: int, draft: LoadedModel | None) -> int:
+        """gpu_memory_utilization of the device, less the weights and the largest step's
+        activation peak, probed before the cache exists (worker/engine/memory_profile.py)."""
+        cfg = self.config
         dev = self.loaded.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        n = min(max_batched, self.max_model_len)
-        probe = KVCache(
-            self.loaded.config, -(-n // self.config.block_size), self.config.block_size, self.loaded.dtype, dev
+        probes = plan_probes(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len,
+            spec_k=cfg.spec_k if cfg.spec_method is not None else 0,
+            draft_model=draft is not None,
         )
-        ModelRunner(self.loaded, probe).run([SequenceChunk([0] * n, 0, list(range(probe.num_blocks)))])
-        torch.cuda.synchronize(dev)
-        activations = torch.cuda.max_memory_allocated(dev) - before - probe.num_bytes
-        del probe
+        prof = profile_activations(
+            self.loaded, draft, probes, cfg.block_size, cuda_peak_bytes(dev), graphs=not cfg.enforce_eager
+        )
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(dev)
-        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - activations
+        budget = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - prof.activations
         log.info(
-            "cuda memory profile", total_mib=total >> 20, activations_mib=activations >> 20, kv_budget_mib=budget >> 20
+            "cuda memory profile",
+            total_mib=total >> 20,
+            activations_mib=prof.activations >> 20,
+            peaks_mib={k: v >> 20 for k, v in prof.peaks.items()},
+            graph_pool_mib=prof.graph_pool >> 20,
+            kv_budget_mib=budget >> 20,
         )
         return budget
 

@@ -2,24 +2,38 @@
 
 A decode step of a small batch is launch-bound: hundreds of kernels of a few microseconds,
 each paying Python and launch overhead. Captured once as a CUDA graph and replayed, the
-step costs one launch. A graph freezes shapes and addresses, so:
+step costs one launch. A graph freezes shapes and addresses, so graphs are captured for
+**shapes** ``(B, T, Q)``: ``B`` sequences (a batch-size bucket) bringing ``T`` query tokens
+in all (a token bucket), at most ``Q`` each:
 
-- Graphs are captured for **shapes** ``(B, Q)``: ``B`` sequences (a batch-size bucket) of
-  exactly ``Q`` query tokens each (1 for decode and propose, ``1 + k`` for verify).
-- A step of ``S <= B`` sequences, each bringing ``n_i <= Q`` tokens, is **padded** to the
-  smallest captured shape that holds it: a sequence's tokens beyond ``n_i`` and the
-  ``B - S`` padding sequences write no KV (slot -1) and their outputs are dropped. Padding
-  tokens sit after the real ones, so causal attention keeps them out of every real token's
-  view; padding sequences have ``seq_len = Q`` over block 0 (any valid block would do).
-- All graphs read **one set of static input buffers** (sized for the largest shape; a
-  shape uses a prefix) and write one static hidden-state buffer; they share **one memory
-  pool** (``torch.cuda.graph_pool_handle``), which the engine also shares between the
-  target's and the draft's graphs. The LM head runs eagerly on the rows asked for only.
-- Anything else runs **eagerly**: more sequences than the largest bucket, a sequence with
-  more tokens than the longest captured query length (a prompt chunk), a CPU device,
-  ``enforce_eager``, or ops without a capturable (Triton) implementation.
+- **decode shapes** ``(B, B, 1)``: every sequence brings exactly one token (decode, a draft
+  propose step). A step of ``S <= B`` sequences is padded with ``B - S`` sequences of one
+  token each (slot -1: no KV written; ``seq_len`` 1 over whatever block their row holds);
+  attention runs the flash-decoding kernel.
+- **flat shapes** ``(B, T, Q)`` with ``Q = 1 + k`` the longest verify run: any mix of
+  decode tokens, verify runs and draft catch-ups, laid out **flat** as the eager path lays
+  them out (sequence ``i``'s ``n_i`` tokens right after sequence ``i - 1``'s), so that a step
+  pads its *token count* ``N = sum n_i`` up to ``T``, never every sequence up to the step's
+  longest run: 128 decodes and one verify of 1 + 5 tokens run as 133 tokens padded to the
+  next bucket, not as 129 x 6. Padding tokens sit after all real ones, belong to no
+  sequence and write no KV; padding sequences bring 0 tokens over a context of 0. The
+  varlen attention kernel sizes its grid from ``Q`` (tiles past a sequence's tokens do
+  nothing).
 
-The bucket choice and the padding are plain functions (:func:`choose_shape`,
+All graphs of a runner read **one set of static input buffers** (sized for the largest
+shape; a shape uses a prefix) and write one static hidden-state buffer; they share **one
+memory pool** (``torch.cuda.graph_pool_handle``), which the engine also shares between the
+target's and the draft's graphs. The LM head runs eagerly on the rows asked for only.
+**Block tables** come from the model runner's persistent device rows
+(:class:`~draftwise.worker.model.block_tables.BlockTableRows`): a step copies only the
+entries that changed on the host and then the rows it needs device to device into the
+static table, so the host work of a step does not grow with context length.
+
+Anything else runs **eagerly**: more sequences than the largest bucket, more tokens than the
+largest token bucket, a sequence with more tokens than ``Q`` (a prompt chunk), a CPU
+device, ``enforce_eager``, or ops without a capturable (Triton) implementation.
+
+The shape choice and the padding are plain functions (:func:`choose_shape`,
 :func:`pad_batch`, :func:`plan_batch`); :class:`GraphRunner` with ``use_graphs=False`` runs
 the very same padded buffers eagerly instead of replaying, which is how CPU tests check the
 whole replay path against :meth:`ModelRunner.run` without a GPU.
@@ -27,10 +41,9 @@ whole replay path against :meth:`ModelRunner.run` without a GPU.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +51,7 @@ import structlog
 import torch
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
+from draftwise.worker.model.block_tables import BlockTableRows
 
 if TYPE_CHECKING:
     from draftwise.worker.model.chunk import SequenceChunk
@@ -52,6 +66,10 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CAPTURED_OPS = ("write_kv_cache", "paged_attention")
 _ALIGN = 16  # elements: each static int32 section starts 64-byte aligned
 
+Shape = tuple[int, int, int]
+"""``(B, T, Q)``: sequences, query tokens in all, most query tokens of one sequence (see the
+module docstring; ``Q == 1`` is a decode shape, ``T == B``)."""
+
 
 def batch_size_buckets(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_BATCH_SIZES) -> tuple[int, ...]:
     """The sizes up to ``max_num_seqs``, with ``max_num_seqs`` itself as the largest bucket
@@ -61,13 +79,18 @@ def batch_size_buckets(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_BATCH_S
     return tuple(sorted({s for s in sizes if 1 <= s < max_num_seqs} | {max_num_seqs}))
 
 
-def query_len_buckets(max_query_len: int) -> tuple[int, ...]:
-    """Query lengths to capture for steps of at most ``max_query_len`` tokens per sequence
-    (``1 + k`` for verify): every length up to 8, then 12, 16 and the maximum, so that a
-    verify step of short drafts is not padded to the longest."""
-    if max_query_len < 1:
-        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
-    return tuple(sorted({q for q in (*range(1, 9), 12, 16) if q < max_query_len} | {max_query_len}))
+def token_buckets(low: int, high: int) -> tuple[int, ...]:
+    """Token counts to capture for steps of ``low`` to ``high`` tokens: 2, 3, 4, 6, 8, 12,
+    16, 24, ... (powers of two and one and a half times them, so a step pads at most a third
+    of its tokens) from the first one at or above ``low``, with ``high`` itself as the largest."""
+    if not 1 <= low <= high:
+        raise ValueError(f"need 1 <= low <= high, got {low}, {high}")
+    sizes = {high}
+    p = 1
+    while p < high:
+        sizes.update(s for s in (p, p + p // 2) if low <= s < high)
+        p *= 2
+    return tuple(sorted(sizes))
 
 
 @dataclass(frozen=True)
@@ -75,17 +98,16 @@ class GraphConfig:
     """Which step shapes get a graph."""
 
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES  # batch-size buckets (sequences per step)
-    query_lens: tuple[int, ...] = (1,)  # query tokens per sequence: 1 (decode, propose), 1 + k (verify)
-    max_num_tokens: int | None = None  # shapes with B * Q above this are not captured; None: no cap
+    max_query_len: int = 1  # most query tokens of one sequence: 1 (decode, propose), 1 + k (verify)
+    max_num_tokens: int | None = None  # shapes of more tokens than this are not captured; None: no cap
     max_model_len: int | None = None  # longest context a step may reach; None: the model's positions
     # (sizes the static block tables, and with them the decode kernel's grid of context splits)
 
     def __post_init__(self) -> None:
-        for name in ("batch_sizes", "query_lens"):
-            vals = getattr(self, name)
-            if not vals or any(v < 1 for v in vals) or list(vals) != sorted(set(vals)):
-                raise ValueError(f"{name} must be distinct positive integers in increasing order, got {vals}")
-        for name in ("max_num_tokens", "max_model_len"):
+        vals = self.batch_sizes
+        if not vals or any(v < 1 for v in vals) or list(vals) != sorted(set(vals)):
+            raise ValueError(f"batch_sizes must be distinct positive integers in increasing order, got {vals}")
+        for name in ("max_query_len", "max_num_tokens", "max_model_len"):
             val = getattr(self, name)
             if val is not None and val < 1:
                 raise ValueError(f"{name} must be >= 1, got {val}")
@@ -100,113 +122,143 @@ class GraphConfig:
     ) -> GraphConfig:
         """Buckets for a runner whose small steps have at most ``max_num_seqs`` sequences of
         at most ``max_query_len`` tokens each, within contexts of ``max_model_len``."""
-        return cls(batch_size_buckets(max_num_seqs), query_len_buckets(max_query_len), max_num_tokens, max_model_len)
+        return cls(batch_size_buckets(max_num_seqs), max_query_len, max_num_tokens, max_model_len)
 
     @property
-    def shapes(self) -> list[tuple[int, int]]:
-        """The ``(B, Q)`` shapes to capture, smallest padded size first (ties: shorter Q)."""
-        cap = self.max_num_tokens
-        keys = [(b, q) for b in self.batch_sizes for q in self.query_lens if cap is None or b * q <= cap]
-        return sorted(keys, key=lambda k: (k[0] * k[1], k[1]))
+    def shapes(self) -> list[Shape]:
+        """The shapes to capture, fewest tokens first (ties: fewer sequences, then decode).
+
+        Decode shapes ``(B, B, 1)`` for every batch bucket; with ``max_query_len = Q > 1``,
+        flat shapes ``(B, T, Q)`` for the token buckets a step of more than the previous
+        bucket's sequences (and one token more than it has sequences) may need, up to
+        ``B * Q`` or ``max_num_tokens``."""
+        cap, q = self.max_num_tokens, self.max_query_len
+        out: list[Shape] = [(b, b, 1) for b in self.batch_sizes if cap is None or b <= cap]
+        if q > 1:
+            prev = 0
+            for b in self.batch_sizes:
+                low, high = prev + 2, b * q if cap is None else min(b * q, cap)
+                if low <= high:
+                    out.extend((b, t, q) for t in token_buckets(low, high))
+                prev = b
+        return sorted(out, key=lambda s: (s[1], s[0], s[2]))
 
 
-def choose_shape(shapes: Sequence[tuple[int, int]], num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
-    """The captured shape with the fewest padded tokens that holds ``num_seqs`` sequences of
-    up to ``max_query_len`` tokens (``shapes`` ordered as :attr:`GraphConfig.shapes`); None:
+def choose_shape(shapes: Sequence[Shape], num_seqs: int, num_tokens: int, longest: int) -> Shape | None:
+    """The captured shape with the fewest padded tokens that holds a step of ``num_seqs``
+    sequences bringing ``num_tokens`` tokens, at most ``longest`` each (``shapes`` ordered as
+    :attr:`GraphConfig.shapes`); a step of one token per sequence takes a decode shape. None:
     no graph holds the step, it runs eagerly."""
-    for b, q in shapes:
-        if b >= num_seqs and q >= max_query_len:
-            return b, q
+    decode = longest == 1
+    for b, t, q in shapes:
+        if (q == 1) == decode and b >= num_seqs and t >= num_tokens and q >= longest:
+            return b, t, q
     return None
 
 
 @dataclass
 class PaddedBatch:
-    """A step laid out for the graph of shape ``(batch_size, query_len)``: sequence ``i``'s
-    tokens at rows ``[i * Q, i * Q + n_i)``, padding after them."""
+    """A step laid out for the graph of shape ``(batch_size, num_tokens, query_len)``: the
+    real tokens flat at rows ``[0, N)`` in sequence order, padding after them."""
 
-    batch_size: int  # B, the bucket
-    query_len: int  # Q, tokens per sequence in the graph
+    batch_size: int  # B, the batch bucket
+    num_tokens: int  # T, the token bucket
+    query_len: int  # Q: 1 for a decode shape
     num_seqs: int  # S <= B real sequences
-    input_ids: np.ndarray  # [B * Q] int64: 0 at padding
-    positions: np.ndarray  # [B * Q] int64: 0 at padding
-    slot_mapping: np.ndarray  # [B * Q] int64: -1 (do not write) at padding
-    query_start_loc: np.ndarray  # [B + 1] int32: i * Q
-    seq_lens: np.ndarray  # [B] int32: start_pos + Q (real), Q (padding sequences)
-    block_tables: np.ndarray  # [B, max_blocks] int32: each table truncated to its context, then 0
-    logit_rows: np.ndarray  # [N] int64: rows of the logits asked for, in order (padding never)
+    num_real_tokens: int  # N <= T
+    input_ids: np.ndarray  # [T] int64: 0 at padding
+    positions: np.ndarray  # [T] int64: 0 at padding
+    slot_mapping: np.ndarray  # [T] int64: -1 (do not write) at padding
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32: start_pos + n_i (real); 1 (decode padding) or 0 (flat padding)
+    logit_rows: np.ndarray  # [L] int64: rows of the logits asked for, in order (padding never)
 
     @property
-    def num_tokens(self) -> int:
-        return self.batch_size * self.query_len
+    def query_lens(self) -> list[int]:
+        """Tokens of each of the ``B`` sequences (host ints)."""
+        return np.diff(self.query_start_loc).tolist()
 
 
-def pad_batch(
-    chunks: Sequence[SequenceChunk], batch_size: int, query_len: int, block_size: int, max_blocks: int
-) -> PaddedBatch:
-    """Lay ``chunks`` (each of 1..``query_len`` tokens, block tables covering their tokens)
-    out as a ``(batch_size, query_len)`` step. ``chunks`` may be empty: all padding (what
-    the graphs are captured with)."""
-    b, q, s = batch_size, query_len, len(chunks)
+def pad_batch(chunks: Sequence[SequenceChunk], shape: Shape, block_size: int) -> PaddedBatch:
+    """Lay ``chunks`` (block tables covering their tokens) out for ``shape``. ``chunks`` may
+    be empty: all padding (what the graphs are captured with). Host work is proportional to
+    the step's tokens: of each block table only the entries of the new tokens are read."""
+    b, t, q = shape
+    s = len(chunks)
     if s > b:
         raise ValueError(f"{s} sequences do not fit a bucket of {b}")
-    ids = np.zeros(b * q, dtype=np.int64)
-    pos = np.zeros(b * q, dtype=np.int64)
-    slots = np.full(b * q, -1, dtype=np.int64)
-    seq_lens = np.full(b, q, dtype=np.int32)
-    tables = np.zeros((b, max_blocks), dtype=np.int32)
+    ns = np.fromiter((len(c.token_ids) for c in chunks), np.int64, s)  # [S] tokens per sequence
+    n = int(ns.sum())
+    if n > t:
+        raise ValueError(f"{n} tokens do not fit a shape of {t}")
+    bad = np.flatnonzero((ns < 1) | (ns > q))
+    if bad.size:
+        raise ValueError(f"sequence {bad[0]} brings {ns[bad[0]]} tokens; the shape holds 1 to {q}")
+    ids = np.zeros(t, dtype=np.int64)
+    pos = np.zeros(t, dtype=np.int64)
+    slots = np.full(t, -1, dtype=np.int64)
+    qsl = np.zeros(b + 1, dtype=np.int32)
+    seq_lens = np.zeros(b, dtype=np.int32)
     rows = np.zeros(0, dtype=np.int64)
-    if s:  # vectorised over all tokens: this runs on the host every step
-        ns = np.fromiter((len(c.token_ids) for c in chunks), np.int64, s)  # [S] tokens per sequence
+    if q == 1:  # decode: padding sequences of one token each, at rows S..B-1
+        qsl[:] = np.arange(b + 1)
+        seq_lens[s:] = 1
+    else:  # flat: padding sequences of no tokens, all starting after the real tokens
+        qsl[s + 1 :] = n
+    if s:
         starts = np.fromiter((c.start_pos for c in chunks), np.int64, s)  # [S]
         wanted = np.fromiter((c.num_logits for c in chunks), np.int64, s)  # [S]
-        bad = np.flatnonzero((ns < 1) | (ns > q))
-        if bad.size:
-            raise ValueError(f"sequence {bad[0]} brings {ns[bad[0]]} tokens; the shape holds 1 to {q}")
-        need = -(-(starts + ns) // block_size)  # [S] blocks covering each sequence's tokens
-        for i, c in enumerate(chunks):
-            k = int(need[i])
-            if len(c.block_table) < k or k > max_blocks:
+        ends = np.cumsum(ns)  # [S] one past each sequence's last row
+        seq_of = np.repeat(np.arange(s), ns)  # [N] sequence of each real token
+        j = np.arange(n) - (ends - ns)[seq_of]  # [N] its index within its sequence
+        p = starts[seq_of] + j  # [N] its position
+        blocks = []
+        for i, c in enumerate(chunks):  # the blocks of the new tokens only: O(tokens), not O(context)
+            first, last = int(starts[i]) // block_size, (int(starts[i]) + int(ns[i]) - 1) // block_size
+            if len(c.block_table) <= last:
                 raise ValueError(
                     f"sequence {i}: block table of {len(c.block_table)} blocks for {starts[i] + ns[i]} tokens"
                 )
-            tables[i, :k] = c.block_table[:k]
-        seq_of = np.repeat(np.arange(s), ns)  # [N] sequence of each real token
-        j = np.arange(seq_of.size) - (np.cumsum(ns) - ns)[seq_of]  # [N] its index within its sequence
-        dest = seq_of * q + j  # [N] its row in the padded layout
-        p = starts[seq_of] + j  # [N] its position
-        ids[dest] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, seq_of.size)
-        pos[dest] = p
-        slots[dest] = tables[seq_of, p // block_size].astype(np.int64) * block_size + p % block_size
-        seq_lens[:s] = starts + q  # padding tokens after the real ones: causal attention hides them
-        rows = dest[j >= (ns - wanted)[seq_of]]  # the last num_logits tokens of each sequence
+            blocks.append(c.block_table[first : last + 1])
+        first_block = starts // block_size  # [S]
+        block_of = np.fromiter(
+            (blk[k] for blk, k in zip((blocks[i] for i in seq_of), p // block_size - first_block[seq_of], strict=True)),
+            np.int64,
+            n,
+        )
+        ids[:n] = np.fromiter((x for c in chunks for x in c.token_ids), np.int64, n)
+        pos[:n] = p
+        slots[:n] = block_of * block_size + p % block_size
+        if q == 1:
+            seq_lens[:s] = starts + 1
+        else:
+            qsl[1 : s + 1] = ends
+            seq_lens[:s] = starts + ns
+        rows = np.flatnonzero(j >= (ns - wanted)[seq_of])  # the last num_logits tokens of each sequence
     return PaddedBatch(
         batch_size=b,
+        num_tokens=t,
         query_len=q,
-        num_seqs=len(chunks),
+        num_seqs=s,
+        num_real_tokens=n,
         input_ids=ids,
         positions=pos,
         slot_mapping=slots,
-        query_start_loc=np.arange(b + 1, dtype=np.int32) * q,
+        query_start_loc=qsl,
         seq_lens=seq_lens,
-        block_tables=tables,
         logit_rows=rows,
     )
 
 
 def plan_batch(
-    chunks: Sequence[SequenceChunk],
-    shapes: Sequence[tuple[int, int]],
-    block_size: int,
-    max_blocks: int,
-    max_positions: int,
+    chunks: Sequence[SequenceChunk], shapes: Sequence[Shape], block_size: int, max_positions: int
 ) -> PaddedBatch | None:
     """The padded layout of a step, or None when it must run eagerly: no captured shape
-    holds it (too many sequences, or a sequence with more tokens than any captured query
-    length: a prompt chunk), or it is malformed (the eager path then raises the error)."""
+    holds it (too many sequences or tokens, or a sequence with more tokens than any captured
+    query length: a prompt chunk), or it is malformed (the eager path then raises the error)."""
     if not chunks:
         return None
-    longest = 0
+    longest = total = 0
     for c in chunks:
         n = len(c.token_ids)
         if n < 1 or not 0 <= c.num_logits <= n or c.start_pos < 0 or c.start_pos + n > max_positions:
@@ -214,10 +266,11 @@ def plan_batch(
         if len(c.block_table) * block_size < c.start_pos + n:
             return None
         longest = max(longest, n)
-    shape = choose_shape(shapes, len(chunks), longest)
+        total += n
+    shape = choose_shape(shapes, len(chunks), total, longest)
     if shape is None:
         return None
-    return pad_batch(chunks, shape[0], shape[1], block_size, max_blocks)
+    return pad_batch(chunks, shape, block_size)
 
 
 def graph_unsupported_reason(
@@ -236,32 +289,6 @@ def graph_unsupported_reason(
     return None
 
 
-@dataclass
-class _Buffers:
-    """Static inputs of every graph, on the device, and their host staging copies."""
-
-    i64: torch.Tensor  # [4, T_max] int64: input_ids, positions, slot_mapping, logit rows
-    i32: torch.Tensor  # [n] int32: query_start_loc | seq_lens | block_tables, each 64-byte aligned
-    host_i64: torch.Tensor  # pinned on CUDA
-    host_i32: torch.Tensor
-    qsl_at: int
-    seq_lens_at: int
-    tables_at: int
-    max_seqs: int
-    max_blocks: int
-    views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def attention_views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]``."""
-        v = self.views.get(b)
-        if v is None:
-            i32, mb = self.i32, self.max_blocks
-            tables = i32[self.tables_at : self.tables_at + self.max_seqs * mb].view(self.max_seqs, mb)
-            v = (i32[self.qsl_at : self.qsl_at + b + 1], i32[self.seq_lens_at : self.seq_lens_at + b], tables[:b])
-            self.views[b] = v
-        return v
-
-
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -273,6 +300,8 @@ class GraphRunner:
     logits asked for, or returns None when the step must run eagerly. With
     ``use_graphs=False`` (the default off CUDA) nothing is captured and ``run`` executes the
     model eagerly over the same static buffers: the CPU tests' stand-in for replay.
+    ``block_rows`` are the persistent device block tables the step's rows are read from (the
+    model runner's; a private set when not given).
     """
 
     def __init__(
@@ -284,6 +313,7 @@ class GraphRunner:
         *,
         use_graphs: bool | None = None,
         pool: Any = None,
+        block_rows: BlockTableRows | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -298,38 +328,32 @@ class GraphRunner:
             raise ValueError(f"no shape fits max_num_tokens={config.max_num_tokens}")
         self.block_size = kv_cache.block_size
         self.max_positions = min(model.rope.max_positions, config.max_model_len or model.rope.max_positions)
-        max_q = max(q for _, q in self.shapes)
-        # padded contexts run up to Q - 1 tokens past the last real one
-        self.max_blocks = -(-(self.max_positions + max_q - 1) // self.block_size)
-        max_b = max(b for b, _ in self.shapes)
-        max_t = max(b * q for b, q in self.shapes)
-        qsl_at, seq_lens_at = 0, _aligned(max_b + 1)
-        tables_at = seq_lens_at + _aligned(max_b)
+        self.max_blocks = -(-self.max_positions // self.block_size)  # static block-table width
+        self.block_rows = block_rows if block_rows is not None else BlockTableRows(self.device)
+        max_b = max(b for b, _, _ in self.shapes)
+        max_t = max(t for _, t, _ in self.shapes)
+        self._seq_lens_at = _aligned(max_b + 1)
+        self._i32_host_end = self._seq_lens_at + max_b  # query_start_loc | seq_lens: copied from the host
         pin = self.device.type == "cuda"
-        host_i64 = torch.zeros(4, max_t, dtype=torch.int64, pin_memory=pin)
-        host_i32 = torch.zeros(tables_at + max_b * self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._buf = _Buffers(
-            i64=torch.zeros_like(host_i64, device=self.device),
-            i32=torch.zeros_like(host_i32, device=self.device),
-            host_i64=host_i64,
-            host_i32=host_i32,
-            qsl_at=qsl_at,
-            seq_lens_at=seq_lens_at,
-            tables_at=tables_at,
-            max_seqs=max_b,
-            max_blocks=self.max_blocks,
-        )
-        self._np_i64 = host_i64.numpy()
-        self._np_i32 = host_i32.numpy()
+        self._host_i64 = torch.zeros(4, max_t, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, logit rows
+        self._host_i32 = torch.zeros(self._i32_host_end, dtype=torch.int32, pin_memory=pin)
+        self._i64 = torch.zeros_like(self._host_i64, device=self.device)
+        self._i32 = torch.zeros_like(self._host_i32, device=self.device)
+        self._tables = torch.zeros(max_b, self.max_blocks, dtype=torch.int32, device=self.device)  # [B_max, max_blocks]
+        self._np_i64 = self._host_i64.numpy()
+        self._np_i32 = self._host_i32.numpy()
         dtype = model.embed_tokens.weight.dtype
         self._hidden = torch.zeros(max_t, model.config.hidden_size, dtype=dtype, device=self.device)  # [T_max, hidden]
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._metas: dict[tuple[int, int], AttentionMetadata] = {}
+        self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         self._copied: torch.cuda.Event | None = None
         self.pool = pool
         self.capture_seconds = 0.0
         self.capture_error: str | None = None
         self.num_replays = 0
+        self.real_tokens = 0
+        """Real tokens of the steps run through the graphs so far."""
+        self.padded_tokens = 0
+        """Tokens those steps ran as (their shapes' ``T``): ``1 - real / padded`` is the padding waste."""
 
     @property
     def num_graphs(self) -> int:
@@ -337,46 +361,48 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ buffers
 
-    def _load(self, batch: PaddedBatch) -> None:
-        """Copy a padded step into the static buffers (one host-to-device copy per dtype)."""
+    def _load(self, batch: PaddedBatch, chunks: Sequence[SequenceChunk]) -> None:
+        """Copy a padded step into the static buffers: one host-to-device copy per dtype for
+        the per-token and per-sequence fields, the block-table rows device to device."""
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again
         t, b, n = batch.num_tokens, batch.batch_size, batch.logit_rows.shape[0]
-        h64, h32, buf = self._np_i64, self._np_i32, self._buf
+        h64, h32 = self._np_i64, self._np_i32
         h64[0, :t] = batch.input_ids
         h64[1, :t] = batch.positions
         h64[2, :t] = batch.slot_mapping
         h64[3, :n] = batch.logit_rows
-        h32[buf.qsl_at : buf.qsl_at + b + 1] = batch.query_start_loc
-        h32[buf.seq_lens_at : buf.seq_lens_at + b] = batch.seq_lens
-        h32[buf.tables_at : buf.tables_at + b * self.max_blocks] = batch.block_tables.reshape(-1)
-        end = buf.tables_at + b * self.max_blocks  # the block-table rows past the bucket are never read
-        buf.i64.copy_(buf.host_i64, non_blocking=True)
-        buf.i32[:end].copy_(buf.host_i32[:end], non_blocking=True)
+        h32[: b + 1] = batch.query_start_loc
+        h32[self._seq_lens_at : self._seq_lens_at + b] = batch.seq_lens
+        self._i64.copy_(self._host_i64, non_blocking=True)
+        self._i32.copy_(self._host_i32, non_blocking=True)
+        if chunks:
+            rows = self.block_rows.gather([c.block_table for c in chunks])  # [S, W] on the device
+            w = min(rows.shape[1], self.max_blocks)  # entries past max_blocks hold positions never attended
+            self._tables[: len(chunks), :w].copy_(rows[:, :w])
+            # columns past w of these rows may hold an earlier step's ids: past every context, never read
         if self.device.type == "cuda":
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _meta(self, b: int, q: int, seq_lens_cpu: list[int]) -> AttentionMetadata:
-        qsl, seq_lens, tables = self._buf.attention_views(b)
+    def _meta(self, b: int, t: int, q: int, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self._buf.i64[2, : b * q],
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=tables,
+            slot_mapping=self._i64[2, :t],
+            query_start_loc=self._i32[: b + 1],
+            seq_lens=self._i32[self._seq_lens_at : self._seq_lens_at + b],
+            block_tables=self._tables[:b],
             block_size=self.block_size,
-            query_lens_cpu=[q] * b,
-            seq_lens_cpu=seq_lens_cpu,
-            max_query_len=q,
-            max_seq_len=max(seq_lens_cpu),
-            has_padding=True,  # a padded shape: slots of padding tokens are -1
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=q,  # sizes the attention grid: the shape's, not the step's
+            max_seq_len=max(seq_lens, default=0),
+            has_padding=True,  # slots of padding tokens are -1
         )
 
-    def _forward(self, b: int, q: int, meta: AttentionMetadata) -> None:
-        """The model over the static inputs of shape ``(b, q)``; hidden states to the static output."""
-        t = b * q
-        hidden = self.model(self._buf.i64[0, :t], self._buf.i64[1, :t], self.kv_cache.layers, meta, self.backend)
+    def _forward(self, t: int, meta: AttentionMetadata) -> None:
+        """The model over the static inputs of ``t`` tokens; hidden states to the static output."""
+        hidden = self.model(self._i64[0, :t], self._i64[1, :t], self.kv_cache.layers, meta, self.backend)
         self._hidden[:t].copy_(hidden)  # [T, hidden]
 
     # ------------------------------------------------------------------ capture
@@ -395,7 +421,6 @@ class GraphRunner:
                 self._capture_all(torch.cuda.Stream(self.device))
         except Exception as e:  # a kernel that is not capturable: serve eagerly rather than not at all
             self._graphs.clear()
-            self._metas.clear()
             self.capture_error = f"{type(e).__name__}: {e}"
             log.warning("cuda graph capture failed; running eagerly", error=self.capture_error)
             torch.cuda.synchronize(self.device)
@@ -404,8 +429,9 @@ class GraphRunner:
             log.info(
                 "cuda graphs captured",
                 graphs=len(self._graphs),
-                batch_sizes=sorted({b for b, _ in self.shapes}),
-                query_lens=sorted({q for _, q in self.shapes}),
+                batch_sizes=sorted({b for b, _, _ in self.shapes}),
+                max_tokens=max(t for _, t, _ in self.shapes),
+                max_query_len=self.config.max_query_len,
                 seconds=round(self.capture_seconds, 2),
             )
         return self.capture_seconds
@@ -413,20 +439,20 @@ class GraphRunner:
     def _capture_all(self, stream: torch.cuda.Stream) -> None:
         """Warm up and capture each shape on ``stream`` (the documented pattern: an eager run
         on a side stream first, then ``torch.cuda.graph`` into the shared pool)."""
-        for b, q in reversed(self.shapes):
-            # host fields at their worst case: a kernel sizing its grid from them must cover
-            # any step this graph will replay; the lengths themselves come from the buffers
-            meta = self._meta(b, q, [self.max_blocks * self.block_size] * b)
-            self._load(pad_batch([], b, q, self.block_size, self.max_blocks))
+        for b, t, q in sorted(self.shapes, key=lambda s: (s[1], s[0]), reverse=True):
+            batch = pad_batch([], (b, t, q), self.block_size)
+            # host fields at their worst case: a kernel sizing anything from them covers any
+            # step this graph will replay; the lengths themselves come from the buffers
+            meta = self._meta(b, t, q, batch.query_lens, [self.max_positions] * b)
+            self._load(batch, ())
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._forward(b, q, meta)  # warm-up: compiles kernels, settles the allocator
+                self._forward(t, meta)  # warm-up: compiles kernels, settles the allocator
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._forward(b, q, meta)
-            self._graphs[(b, q)] = graph
-            self._metas[(b, q)] = meta
+                self._forward(t, meta)
+            self._graphs[(b, t, q)] = graph
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ replay
@@ -438,17 +464,19 @@ class GraphRunner:
         no captured shape holds the step."""
         if self.use_graphs and not self._graphs:
             return None
-        batch = plan_batch(chunks, self.shapes, self.block_size, self.max_blocks, self.max_positions)
+        batch = plan_batch(chunks, self.shapes, self.block_size, self.max_positions)
         if batch is None:
             return None
-        b, q = batch.batch_size, batch.query_len
+        b, t, q = batch.batch_size, batch.num_tokens, batch.query_len
         if self.use_graphs:
             with torch.cuda.device(self.device):  # copies and replay on this device's current stream
-                self._load(batch)
-                self._graphs[(b, q)].replay()
+                self._load(batch, chunks)
+                self._graphs[(b, t, q)].replay()
         else:
-            self._load(batch)
-            self._forward(b, q, self._meta(b, q, batch.seq_lens.tolist()))
+            self._load(batch, chunks)
+            self._forward(t, self._meta(b, t, q, batch.query_lens, batch.seq_lens.tolist()))
         self.num_replays += 1
-        rows = self._buf.i64[3, : batch.logit_rows.shape[0]]  # [N]
+        self.real_tokens += batch.num_real_tokens
+        self.padded_tokens += t
+        rows = self._i64[3, : batch.logit_rows.shape[0]]  # [L]
         return self.model.compute_logits(self._hidden.index_select(0, rows))  # fresh tensor, outside the pool

@@ -50,7 +50,7 @@ class ModelRunner:
         if reason is not None:
             log.info("cuda graphs off", reason=reason)
             return None
-        runner = GraphRunner(self.model, self.kv_cache, self.backend, config, pool=pool)
+        runner = GraphRunner(self.model, self.kv_cache, self.backend, config, pool=pool, block_rows=self.block_tables)
         runner.capture()
         if not runner.num_graphs:
             return None
