@@ -4,15 +4,19 @@
 Two kernels read keys and values straight from the cache through each sequence's block
 table (no gather into a dense copy first):
 
-- **decode** (one new token per sequence), flash-decoding: the context is split into
-  partitions of ``partition_size`` tokens so that a small batch with long contexts still
-  fills the GPU. Phase 1 runs one program per (sequence, KV head, partition) and attends
-  *all* query heads of that KV head at once (grouped-query attention: each key and value is
-  loaded once per group); it leaves a running max, a sum of exponentials and an
-  unnormalised output per partition. Phase 2 merges the partitions. The number of
-  partitions comes from static shapes (``block_tables.shape[1] * block_size``), never from
-  reading ``seq_lens`` on the host, so the call can be captured in a CUDA graph; partitions
-  past a sequence's length do no work and are ignored by the merge.
+- **decode** (one new token per sequence), flash-decoding: each sequence's context is split
+  into ``P`` partitions so that a small batch with long contexts still fills the GPU. Phase
+  1 runs one program per (sequence, KV head, partition) and attends *all* query heads of
+  that KV head at once (grouped-query attention: each key and value is loaded once per
+  group); it leaves a running max, a sum of exponentials and an unnormalised output per
+  partition. Phase 2 merges the partitions. ``P`` is chosen from the batch
+  (:func:`decode_num_partitions`): enough programs to fill the device, so a large batch runs
+  ``P = 1`` (no partial results, no merge) and a batch of one splits its context up to 64
+  ways; never more splits than the longest context the block tables can hold has
+  ``MIN_PARTITION_TOKENS``. Each sequence splits *its own* context evenly (partitions of
+  ``ceil(seq_len / P)`` tokens, rounded up to a key tile) inside the kernel, so nothing is
+  sized from ``max_model_len`` and no host read of ``seq_lens`` is needed: the call can be
+  captured in a CUDA graph.
 - **prefill / verify** (a varlen batch, 1 to N new tokens per sequence): one program per
   (sequence, KV head, tile of new tokens). A tile packs ``BLOCK_Q`` new tokens times the
   ``GROUP`` query heads of one KV head into the rows of one matrix, so a verify step's few
@@ -41,14 +45,83 @@ import triton.language as tl
 from draftwise.kernels.metadata import AttentionMetadata
 
 __all__ = [
-    "DEFAULT_PARTITION_SIZE",
+    "MIN_PARTITION_TOKENS",
+    "decode_num_partitions",
+    "num_sms",
+    "warm_up_plan",
     "paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
 ]
 
-# Context tokens per flash-decoding partition. A multiple of every block size in use.
-DEFAULT_PARTITION_SIZE = 512
+# A flash-decoding partition is never planned shorter than this many context tokens
+# (shorter ones cost more in the merge than they gain in parallelism).
+MIN_PARTITION_TOKENS = 256
+MAX_PARTITIONS = 64
+# (sequence, KV head, partition) programs a decode launch aims for: a few waves of the device
+_PROGRAMS_PER_SM = 4
+_DEFAULT_SMS = 128  # off CUDA (the interpreter): a fixed stand-in, so that plans are deterministic
+
+LAUNCHED: set[tuple[object, ...]] = set()
+"""The compile keys of every launch so far: the kernel, its tensors' dtypes, its constexprs
+and the class Triton specialises each integer argument on (1, a multiple of 16, other). A
+key not seen before is a compilation on a GPU; the engine launches every key serving can
+need at start-up (:func:`warm_up_plan`), so that none is compiled while serving."""
+
+
+def _int_class(v: int) -> str:
+    return "1" if v == 1 else "16" if v % 16 == 0 else "n"
+
+
+def _note(
+    kernel: str, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...], constexprs: tuple[object, ...]
+) -> None:
+    LAUNCHED.add((kernel, tuple(t.dtype for t in tensors), tuple(_int_class(i) for i in ints), constexprs))
+
+
+def prefill_block_m(max_query_len: int, group: int) -> int:
+    """Rows per tile of the varlen kernel: enough for the longest run (a verify step needs
+    few), at most 64 unless one group of query heads is larger."""
+    block_m = min(64, max(_MIN_DOT, triton.next_power_of_2(max_query_len * group)))
+    return max(block_m, triton.next_power_of_2(group))
+
+
+def warm_up_plan(
+    *,
+    max_num_seqs: int,
+    max_num_tokens: int,
+    max_context: int,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    num_sms: int = _DEFAULT_SMS,
+    min_width: int = 16,
+) -> list[tuple[int, int, int]]:
+    """Steps ``(sequences, tokens each, block-table width)`` that together launch every
+    attention variant eager serving can: one decode step per number of partitions
+    :func:`decode_num_partitions` can choose for up to ``max_num_seqs`` sequences over
+    block tables of ``min_width`` to ``max_context`` tokens (widths are powers of two), and
+    one varlen step per tile height :func:`prefill_block_m` can choose for runs of 2 to
+    ``max_num_tokens`` tokens."""
+    widths = []
+    w = min_width
+    while True:
+        widths.append(w)
+        if w * block_size >= max_context:
+            break
+        w *= 2
+    steps: dict[tuple[str, int], tuple[int, int, int]] = {}
+    for width in widths:
+        for seqs in range(1, max_num_seqs + 1):
+            p = decode_num_partitions(seqs, num_kv_heads, width * block_size, num_sms)
+            steps.setdefault(("decode", p), (seqs, 1, width))
+    n = 2
+    while n <= max_num_tokens:
+        steps.setdefault(("varlen", prefill_block_m(n, group)), (1, n, min_width))
+        n *= 2
+    return list(steps.values())
+
+
 _LOG2E = 1.4426950408889634
 # tl.dot wants every dimension >= 16 on NVIDIA GPUs; smaller tiles are padded and masked.
 _MIN_DOT = 16
@@ -111,6 +184,14 @@ def _attend_keys(
 
 
 @triton.jit
+def _partition_tokens(seq_len, NUM_PARTITIONS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Context tokens per partition of a sequence of ``seq_len`` tokens: an even split into
+    ``NUM_PARTITIONS``, rounded up to whole key tiles (at least one)."""
+    per = (seq_len + NUM_PARTITIONS - 1) // NUM_PARTITIONS
+    return tl.maximum((per + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,  # [S, H, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -141,13 +222,13 @@ def _decode_partition_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     NUM_PARTITIONS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # multiply in float32 (the interpreter's bfloat16 tl.dot is wrong)
 ):
-    """Phase 1 of flash-decoding: one (sequence, KV head, partition)."""
+    """Phase 1 of flash-decoding: one (sequence, KV head, partition) of the sequence's own
+    context split ``NUM_PARTITIONS`` ways."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -164,8 +245,9 @@ def _decode_partition_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)  # the new token is the last position
-    lo = part * PARTITION_SIZE
-    hi = tl.minimum(lo + PARTITION_SIZE, seq_len)  # empty (hi <= lo) past the sequence's end
+    size = _partition_tokens(seq_len, NUM_PARTITIONS, BLOCK_N)
+    lo = part * size
+    hi = tl.minimum(lo + size, seq_len)  # empty (hi <= lo) past the sequence's end
     if HAS_WINDOW:
         lo = tl.maximum(lo, seq_len - window)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -222,7 +304,7 @@ def _decode_reduce_kernel(
     stride_oh,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,  # NUM_PARTITIONS padded to a power of two
-    PARTITION_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # phase 1's key tile (partitions are whole tiles)
     NUM_PARTITIONS: tl.constexpr,
 ):
     """Phase 2 of flash-decoding: merge one (sequence, query head)'s partitions."""
@@ -231,7 +313,7 @@ def _decode_reduce_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_p = tl.arange(0, BLOCK_P)
     # only partitions that hold part of the context; the rest did no work
-    p_mask = (offs_p < NUM_PARTITIONS) & (offs_p * PARTITION_SIZE < seq_len)
+    p_mask = (offs_p < NUM_PARTITIONS) & (offs_p * _partition_tokens(seq_len, NUM_PARTITIONS, BLOCK_N) < seq_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     row = (seq.to(tl.int64) * num_heads + head) * NUM_PARTITIONS + offs_p  # [BLOCK_P]
@@ -399,6 +481,26 @@ def _check(
     return q if q.stride(2) == 1 else q.contiguous()
 
 
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a fixed stand-in off CUDA)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+def decode_num_partitions(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = _DEFAULT_SMS) -> int:
+    """Context splits per sequence for a decode launch of ``num_seqs`` sequences whose block
+    tables hold up to ``max_context`` tokens: a power of two, the largest that keeps the
+    (sequence, KV head, partition) programs within a few waves of ``num_sms``
+    multiprocessors, at most ``MAX_PARTITIONS`` and at most one per ``MIN_PARTITION_TOKENS``
+    of ``max_context``; 1 (no merge) once the batch alone fills the device. Shapes only, no
+    host read of lengths: a CUDA graph captures the value of its shape."""
+    by_fill = _PROGRAMS_PER_SM * num_sms // max(1, num_seqs * num_kv_heads)
+    by_len = max_context // MIN_PARTITION_TOKENS
+    p = max(1, min(by_fill, by_len, MAX_PARTITIONS))
+    return 1 << (p.bit_length() - 1)  # the largest power of two <= p
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [S, H, D] one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -408,9 +510,9 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    num_partitions: int | None = None,  # context splits per sequence; None: decode_num_partitions
     out: torch.Tensor | None = None,  # [S, H, D] written in place when given (static buffer)
-    block_n: int | None = None,  # keys per inner iteration (tests shrink it); default min(64, partition)
+    block_n: int | None = None,  # keys per inner iteration (tests shrink it); default 64
 ) -> torch.Tensor:  # [S, H, D]
     """Flash-decoding attention of each sequence's one new token over its cached context.
 
@@ -421,8 +523,6 @@ def paged_decode_attention(
     q = _check(q, k_cache, v_cache, sliding_window, out)
     s, h, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    if partition_size % block_size:
-        raise ValueError(f"partition_size {partition_size} must be a multiple of the block size {block_size}")
     if block_tables.shape[0] != s or seq_lens.shape[0] != s:
         raise ValueError("decode attention takes one query token per sequence")
     if out is None:
@@ -430,8 +530,11 @@ def paged_decode_attention(
     if s == 0:
         return out
     group = h // hkv
-    num_partitions = max(1, triton.cdiv(block_tables.shape[1] * block_size, partition_size))
-    block_n = _check_block_n(block_n or max(_MIN_DOT, min(64, triton.next_power_of_2(partition_size))))
+    if num_partitions is None:
+        num_partitions = decode_num_partitions(s, hkv, block_tables.shape[1] * block_size, num_sms(q.device))
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    block_n = _check_block_n(block_n or 64)
     block_d = max(_MIN_DOT, triton.next_power_of_2(d))
     if num_partitions == 1:  # no partials to merge; phase 1 writes ``out``
         part_m = part_l = part_acc = out
@@ -439,6 +542,13 @@ def paged_decode_attention(
         part_m = torch.empty(s, h, num_partitions, dtype=torch.float32, device=q.device)
         part_l = torch.empty(s, h, num_partitions, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(s, h, num_partitions, d, dtype=torch.float32, device=q.device)
+    strides = (*q.stride()[:2], block_tables.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2])
+    _note(
+        "decode",
+        (q, k_cache, out),
+        (sliding_window or 0, h, d, *strides),
+        (group, block_d, block_n, block_size, num_partitions, sliding_window is not None),
+    )
     _decode_partition_kernel[(s, hkv, num_partitions)](
         q,
         k_cache,
@@ -469,7 +579,6 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
-        PARTITION_SIZE=partition_size,
         NUM_PARTITIONS=num_partitions,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
@@ -489,7 +598,7 @@ def paged_decode_attention(
             out.stride(1),
             BLOCK_D=block_d,
             BLOCK_P=triton.next_power_of_2(num_partitions),
-            PARTITION_SIZE=partition_size,
+            BLOCK_N=block_n,
             NUM_PARTITIONS=num_partitions,
             num_warps=4 if num_partitions * d >= 4096 else 1,
         )
@@ -530,12 +639,18 @@ def paged_prefill_attention(
         return out
     group = h // hkv
     if block_m is None:
-        # enough rows for the longest run (a verify step needs few), at most 64 unless one group is larger
-        block_m = min(64, max(_MIN_DOT, triton.next_power_of_2(max_query_len * group)))
-        block_m = max(block_m, triton.next_power_of_2(group))
+        block_m = prefill_block_m(max_query_len, group)
     if block_m < group or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= the group size {group}")
     block_q = block_m // group
+    strides = (*q.stride()[:2], block_tables.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2])
+    block_n = _check_block_n(block_n or 64)
+    _note(
+        "varlen",
+        (q, k_cache, out),
+        (sliding_window or 0, d, *strides),
+        (group, block_m, block_n, block_size, sliding_window is not None),
+    )
     _prefill_kernel[(s, hkv, triton.cdiv(max_query_len, block_q))](
         q,
         k_cache,
@@ -562,7 +677,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(d)),
-        BLOCK_N=_check_block_n(block_n or 64),
+        BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype),

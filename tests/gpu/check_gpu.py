@@ -10,15 +10,18 @@ Sections (each failure becomes a FAIL row; nothing here crashes the run):
 1. kernels: every Triton kernel (paged decode and prefill/verify attention, KV write,
    RMSNorm + residual, rejection accept) against its torch twin, bfloat16 and float16,
    fresh random inputs, outputs poisoned (NaN) before each run;
-2. graphs: every captured shape (batch bucket x query length) replayed with a step padded
-   into it gives the logits and KV cache of ``ModelRunner.run`` (float32); greedy tokens of
-   ``LLM(device="cuda")`` with graphs equal those with ``enforce_eager=True``, for every
-   batch-size bucket, speculation off and on (draft model and n-gram), on the embedded
-   default models;
-3. timings: the decode step at batch 1, 8 and 64, eager against graphs; decode attention's
+2. graphs: every captured shape (decode shapes, and flat shapes of a token bucket for
+   verify steps) replayed with a step padded into it gives the logits and KV cache of
+   ``ModelRunner.run`` (float32); greedy tokens of ``LLM(device="cuda")`` with graphs equal
+   those with ``enforce_eager=True``, for every batch-size bucket, speculation off and on
+   (draft model and n-gram), on the embedded default models;
+3. serving: 64 mixed requests with n-gram speculation: no Triton compilation while serving,
+   the graphs' padding waste, the memory profile against the serving peak; seeded sampling
+   identical alone and in batches of 8 and 64;
+4. timings: the decode step at batch 1, 8 and 64, eager against graphs; decode attention's
    achieved bandwidth on long contexts against a measured device-to-device copy;
-   end-to-end output tokens/s of a random ~1B Llama built here (nothing downloaded), with
-   and without speculation.
+   end-to-end output tokens/s and steps/s of a random ~1B Llama built here (nothing
+   downloaded) at batch 1, 8 and 64, with and without speculation.
 
 A short table comes last. The exit status is 1 when a correctness check failed; timing
 goals (graphs >= 2x eager at batch 1, decode attention >= 70% of copy bandwidth) are
@@ -119,7 +122,7 @@ def make_ctx(dry: bool) -> Ctx:
         decode_context=512,
         timed_steps=50,
         bandwidth_shapes=((16, 16384), (64, 4096)),
-        e2e_batches=(1, 32),
+        e2e_batches=(1, 8, 64),
         e2e_tokens=128,
         llama=dict(  # TinyLlama-1.1B's shape: 1.1 B parameters
             hidden_size=2048,
@@ -500,7 +503,171 @@ def check_graphs(ctx: Ctx, rows: list[Row]) -> None:
                 torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------- 3. timings
+# ---------------------------------------------------------------- 3. serving (the hot path under load)
+
+
+class _CompileCounter:
+    """Triton compilations while it is installed (on CUDA; the interpreter compiles nothing)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._old: Any = None
+
+    def _hook(self, *args: Any, **kwargs: Any) -> None:
+        self.count += 1
+
+    def __enter__(self) -> _CompileCounter:
+        from triton import knobs
+
+        self._old = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_post_compile_hook = self._old
+
+
+def _mixed_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts of 4 to 300 tokens, most of them repeating a motif (n-gram drafts find
+    matches), some random (drafts are rejected)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.choice([4, 30, 90, 300])
+        if i % 3 == 2:
+            out.append([1] + [rng.randrange(3, 8000) for _ in range(length)])
+        else:
+            motif = [rng.randrange(3, 8000) for _ in range(rng.randint(3, 12))]
+            out.append([1] + (motif * length)[:length])
+    return out
+
+
+def check_serving(ctx: Ctx, rows: list[Row]) -> None:
+    """The default target with n-gram speculation (k = 5) serving a mixed batch, greedy and
+    seeded requests: no Triton compilation after start-up; how much of the graphs' work was
+    padding; the memory profile against the peak serving reached."""
+    from draftwise.worker import LLM, SamplingParams
+
+    n = ctx.graph_max_seqs
+    kw: dict[str, Any] = dict(
+        device=ctx.device.type,
+        dtype="float32" if ctx.dry else "bfloat16",
+        max_num_seqs=n,
+        max_model_len=1024,
+        speculative_method="ngram",
+        num_speculative_tokens=5,
+    )
+    if ctx.dry:
+        kw["kv_cache_memory_bytes"] = 64 << 20
+    llm = LLM(**kw)
+    eng = llm.engine
+    if ctx.dry:
+        _attach_stand_ins(llm)
+    prompts = _mixed_prompts(n, 7)
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=ctx.graph_tokens, ignore_eos=True)
+        for i in range(n)
+    ]
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    with _CompileCounter() as compiles:
+        llm.generate(prompts, params, use_tqdm=False)
+    if ctx.dry:
+        rows.append(
+            Row("serving", "compile-free serving", "n/a on CPU (tests/engine/test_kernel_warm_up.py)", "0", None)
+        )
+    else:
+        rows.append(
+            Row(
+                "serving",
+                "compile-free serving",
+                f"{compiles.count} Triton compilations while serving (warm-up {eng.kernel_warm_up_seconds:.1f}s, "
+                f"capture {eng.graph_capture_seconds:.1f}s)",
+                "0",
+                compiles.count == 0,
+            )
+        )
+    gr = eng.runner.graph_runner
+    if gr is not None and gr.padded_tokens:
+        waste = 1 - gr.real_tokens / gr.padded_tokens
+        rows.append(
+            Row(
+                "serving",
+                "graph padding waste (target)",
+                f"{gr.real_tokens} real of {gr.padded_tokens} tokens run ({waste:.0%} padding), {gr.num_replays} replays",
+                "info",
+                None,
+            )
+        )
+    from draftwise.worker.model.graph_runner import GraphConfig, choose_shape
+
+    shapes = GraphConfig.for_steps(256, 6, max_num_tokens=2048).shapes
+    b, t, _ = choose_shape(shapes, 129, 134, 6) or (0, 0, 0)
+    rows.append(
+        Row("serving", "128 decodes + one verify of 6", f"run as {t} tokens (per-sequence padding: {b * 6})", "info")
+    )
+    prof = eng.memory_profile
+    if prof is not None and ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        _, total = torch.cuda.mem_get_info(ctx.device)
+        limit = int(total * eng.config.gpu_memory_utilization)
+        peaks = ", ".join(f"{k} {v >> 20}" for k, v in prof.peaks.items())
+        rows.append(
+            Row(
+                "serving",
+                "memory profile",
+                f"probes MiB: {peaks}; graph pool {prof.graph_pool >> 20}; serving peak {peak >> 20} of {limit >> 20} MiB",
+                "peak <= budget",
+                peak <= limit,
+            )
+        )
+    del llm
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_seeded_batch_invariance(ctx: Ctx, rows: list[Row]) -> None:
+    """Seeded sampled requests give the same tokens alone and inside batches of every size
+    (randomness is keyed by seed and position), speculation off and on."""
+    from draftwise.worker import LLM, SamplingParams
+
+    n = ctx.graph_max_seqs
+    prompts = _mixed_prompts(n, 11)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=ctx.graph_tokens) for i in range(n)]
+    sizes = sorted({1, min(8, n), n})
+    for label, spec in (("spec off", {}), ("n-gram k=4", dict(speculative_method="ngram", num_speculative_tokens=4))):
+        # float32: other batch shapes round differently, and bfloat16 could flip a near-tie
+        # for reasons that are not the sampler's
+        kw: dict[str, Any] = dict(device=ctx.device.type, dtype="float32", max_num_seqs=n, max_model_len=1024)
+        if ctx.dry:
+            kw["kv_cache_memory_bytes"] = 64 << 20
+        llm = LLM(**kw, **spec)
+        if ctx.dry:
+            _attach_stand_ins(llm)
+        alone = [llm.generate([prompts[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]
+        same = total = 0
+        for size in sizes:
+            outs = llm.generate(prompts[:size], params[:size], use_tqdm=False)
+            for i in range(min(4, size)):
+                same += outs[i].outputs[0].token_ids == alone[i]
+                total += 1
+        rows.append(
+            Row(
+                "serving",
+                f"seeded sampling, batch {'/'.join(map(str, sizes))} == alone, {label}",
+                f"{same}/{total} identical",
+                "all",
+                same == total,
+            )
+        )
+        del llm
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- 4. timings
 
 
 def build_random_llama(ctx: Ctx, folder: Path) -> Path:
@@ -669,14 +836,22 @@ def time_end_to_end(ctx: Ctx, folder: Path, rows: list[Row]) -> None:
         )
         for b in ctx.e2e_batches:
             llm.generate(prompts[:b], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            steps0 = llm.engine.num_steps
             t0 = time.perf_counter()
             outs = llm.generate(prompts[:b], params, use_tqdm=False)
             dt = time.perf_counter() - t0
+            steps = llm.engine.num_steps - steps0
             toks = sum(len(o.outputs[0].token_ids) for o in outs)
             tot = llm.engine.spec_totals
             acc = f", accepted {tot['accepted']}/{tot['proposed']}" if spec else ""
             rows.append(
-                Row("timings", f"end to end {dtype} batch {b}, {label}", f"{toks / dt:.0f} tok/s{acc}", "", None)
+                Row(
+                    "timings",
+                    f"end to end {dtype} batch {b}, {label}",
+                    f"{toks / dt:.0f} tok/s, {steps / dt:.0f} steps/s{acc}",
+                    "",
+                    None,
+                )
             )
         del llm
         if ctx.device.type == "cuda":
@@ -731,7 +906,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, kernels under TRITON_INTERPRET=1")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "graphs", "timings"], help="sections to skip")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=["kernels", "graphs", "serving", "timings"], help="sections to skip"
+    )
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -747,6 +924,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "graphs" not in args.skip:
         _section(rows, "graphs", check_replay_logits, ctx)
         _section(rows, "graphs", check_graphs, ctx)
+    if "serving" not in args.skip:
+        _section(rows, "serving", check_serving, ctx)
+        _section(rows, "serving", check_seeded_batch_invariance, ctx)
     if "timings" not in args.skip:
         _section(rows, "timings", time_attention_bandwidth, ctx)
         with tempfile.TemporaryDirectory(prefix="draftwise-llama-") as tmp:

@@ -115,21 +115,30 @@ def _poisoned(like: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (4, 1)])
 def test_decode_crosses_block_and_partition_boundaries(block_size, heads, kv_heads):
+    """Four partitions of each sequence's own context, in tiles of 16 keys: the short
+    sequences fill one or two of them (the rest are empty), the longest all four."""
     d, partition = 16, 2 * block_size
     seq_lens = _boundary_lens(block_size, partition)
     k_cache, v_cache, tables = _cache(seq_lens, block_size, kv_heads, d, torch.float32, seed=block_size + heads)
     meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
-    assert meta.block_tables.shape[1] * block_size > 3 * partition  # four partitions, most of them empty for most rows
     q = torch.randn(len(seq_lens), heads, d)
     out = ta.paged_decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, partition_size=partition, out=_poisoned(q)
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        d**-0.5,
+        num_partitions=4,
+        block_n=16,
+        out=_poisoned(q),
     )
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, d**-0.5, None)
 
 
 def test_decode_several_key_tiles_per_partition():
     """``block_n`` smaller than the partition: the online softmax runs over several tiles."""
-    d, block_size, partition = 16, 16, 64
+    d, block_size = 16, 16
     seq_lens = [5, 17, 63, 64, 65, 150, 200]
     k_cache, v_cache, tables = _cache(seq_lens, block_size, 2, d, torch.float32, seed=3)
     meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
@@ -141,7 +150,7 @@ def test_decode_several_key_tiles_per_partition():
         meta.block_tables,
         meta.seq_lens,
         d**-0.5,
-        partition_size=partition,
+        num_partitions=2,  # 200 tokens: two partitions of 112 keys, seven tiles each
         block_n=16,
         out=_poisoned(q),
     )
@@ -149,19 +158,19 @@ def test_decode_several_key_tiles_per_partition():
 
 
 def test_decode_single_partition_writes_output_directly():
-    """Contexts that fit one partition skip the merge kernel."""
+    """Tables too short for a second partition: one partition, no merge kernel."""
     d, block_size = 16, 16
     seq_lens = [1, 15, 16, 17, 40]
     k_cache, v_cache, tables = _cache(seq_lens, block_size, 2, d, torch.float32, seed=4)
     meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
-    assert meta.block_tables.shape[1] * block_size <= ta.DEFAULT_PARTITION_SIZE
+    assert ta.decode_num_partitions(len(seq_lens), 2, meta.block_tables.shape[1] * block_size) == 1
     q = torch.randn(len(seq_lens), 4, d)
     out = ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3, out=_poisoned(q))
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, 0.3, None)
 
 
-@pytest.mark.parametrize("partition", [32, 512])
-def test_decode_padded_slots_are_harmless(partition):
+@pytest.mark.parametrize("partitions", [1, 4])
+def test_decode_padded_slots_are_harmless(partitions):
     """A CUDA-graph batch padded to its bucket: extra rows with seq_len 0 and an all-zero
     block table row get zeros, and the real rows are unaffected."""
     d, block_size = 16, 16
@@ -171,7 +180,9 @@ def test_decode_padded_slots_are_harmless(partition):
     bt = torch.cat([meta.block_tables, torch.zeros(2, meta.block_tables.shape[1], dtype=torch.int32)])
     lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32)])
     q = torch.randn(4, 8, d)
-    out = ta.paged_decode_attention(q, k_cache, v_cache, bt, lens, d**-0.5, partition_size=partition, out=_poisoned(q))
+    out = ta.paged_decode_attention(
+        q, k_cache, v_cache, bt, lens, d**-0.5, num_partitions=partitions, block_n=16, out=_poisoned(q)
+    )
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     _check_all(out[:2], q[:2], k_cache, v_cache, tables, [1, 1], seq_lens, d**-0.5, None)
 
@@ -186,9 +197,47 @@ def test_decode_odd_head_dim_and_strided_query():
     q = qk[:, :heads]  # [S, H, D], not contiguous
     assert not q.is_contiguous()
     out = ta.paged_decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, partition_size=32, out=_poisoned(q)
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, num_partitions=4, block_n=16, out=_poisoned(q)
     )
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, d**-0.5, None)
+
+
+def test_decode_num_partitions_follows_the_batch_not_max_model_len():
+    """Splits fill the device at small batches and vanish at large ones; the tables' width
+    only caps them (one per MIN_PARTITION_TOKENS), so a graph's wide static tables give the
+    same plan as a step's narrow ones once the context allows it."""
+    f = ta.decode_num_partitions
+    assert f(1, 8, 32768, num_sms=132) == 64  # 528 programs wanted, 8 KV heads: 66 -> 64
+    assert f(1, 8, 2048, num_sms=132) == 8  # the context caps it: 2048 / 256
+    assert f(16, 8, 32768, num_sms=132) == 4
+    assert f(64, 8, 32768, num_sms=132) == 1  # 512 programs already: no split, no merge
+    assert f(256, 3, 1 << 20, num_sms=132) == 1
+    assert f(4, 3, 8192, num_sms=132) == 32  # 44 wanted -> 32 (a power of two)
+    assert f(1, 1, 1) == 1 and f(1, 1, 0) == 1
+    for s in (1, 2, 3, 5, 8, 13, 64, 200):
+        for ctx in (16, 300, 4096, 131072):
+            p = f(s, 4, ctx, num_sms=132)
+            assert p & (p - 1) == 0 and 1 <= p <= ta.MAX_PARTITIONS and (p == 1 or p * ta.MIN_PARTITION_TOKENS <= ctx)
+
+
+def test_decode_same_output_whatever_the_split():
+    """The split is a schedule, not a different computation: 1, 2, 8 and 64 partitions of
+    the same contexts agree (to float32 rounding), wide tables or narrow."""
+    d, block_size = 16, 16
+    seq_lens = [1, 70, 255, 600]
+    k_cache, v_cache, tables = _cache(seq_lens, block_size, 2, d, torch.float32, seed=8)
+    meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
+    wide = torch.zeros(len(seq_lens), 256, dtype=torch.int32)  # a graph's static tables: room for 4096 tokens
+    wide[:, : meta.block_tables.shape[1]] = meta.block_tables
+    q = torch.randn(len(seq_lens), 4, d)
+    outs = [
+        ta.paged_decode_attention(q, k_cache, v_cache, bt, meta.seq_lens, d**-0.5, num_partitions=p, out=_poisoned(q))
+        for p in (1, 2, 8, 64)
+        for bt in (meta.block_tables, wide)
+    ]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-5)
+    _check_all(outs[0], q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, d**-0.5, None)
 
 
 # ------------------------------------------------------------------------------- prefill / verify
@@ -279,13 +328,22 @@ def test_prefill_padded_sequences_are_harmless():
 @pytest.mark.parametrize("window", [1, 5, 40])
 def test_sliding_window_both_kernels(window):
     d, block_size, heads, kv_heads = 16, 16, 8, 2
-    # decode: windows inside one block, across blocks and across partitions of 32
+    # decode: windows inside one block, across blocks and across partitions
     seq_lens = [1, 4, 17, 50, 100]
     k_cache, v_cache, tables = _cache(seq_lens, block_size, kv_heads, d, torch.float32, seed=40 + window)
     meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
     q = torch.randn(len(seq_lens), heads, d)
     out = ta.paged_decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, window, partition_size=32, out=_poisoned(q)
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        d**-0.5,
+        window,
+        num_partitions=4,
+        block_n=16,
+        out=_poisoned(q),
     )
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, d**-0.5, window)
     # varlen: verify runs and prompt chunks longer than the window, small tiles
@@ -322,7 +380,7 @@ def test_half_precision(dtype):
     meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
     q = torch.randn(len(seq_lens), heads, d).to(dtype)
     out = ta.paged_decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, partition_size=32, out=_poisoned(q)
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, num_partitions=4, block_n=16, out=_poisoned(q)
     )
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, d**-0.5, None)
     query_lens = [n for _, n in PREFILL_SHAPES]
@@ -351,10 +409,11 @@ def test_paged_attention_matches_twin_and_picks_the_kernel():
     """The reference's signature: decode kernel when every sequence brings one token, the
     varlen kernel otherwise; both agree with the twin."""
     d, block_size, heads, kv_heads = 16, 16, 8, 2
-    seq_lens = [3, 40, 600]  # 600 > the default partition: the merge runs
+    seq_lens = [3, 40, 600]  # tables of 640 tokens: three sequences split 2 ways, the merge runs
     k_cache, v_cache, tables = _cache(seq_lens, block_size, kv_heads, d, torch.float32, seed=70)
     meta = _meta_tensors(tables, seq_lens, [1, 1, 1], block_size)
     q = torch.randn(3, heads, d)
+    assert ta.decode_num_partitions(3, kv_heads, meta.block_tables.shape[1] * block_size) == 2
     out = ta.paged_attention(q, k_cache, v_cache, meta, d**-0.5)
     assert torch.equal(out, ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5))
     _check_all(out, q, k_cache, v_cache, tables, [1, 1, 1], seq_lens, d**-0.5, None)
@@ -373,8 +432,8 @@ def test_rejects_bad_arguments():
     k_cache, v_cache, _ = _cache([16], 16, 2, 16, torch.float32, seed=0)
     bt, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     q = torch.randn(1, 8, 16)
-    with pytest.raises(ValueError, match="multiple of the block size"):
-        ta.paged_decode_attention(q, k_cache, v_cache, bt, lens, 1.0, partition_size=24)
+    with pytest.raises(ValueError, match="num_partitions must be >= 1"):
+        ta.paged_decode_attention(q, k_cache, v_cache, bt, lens, 1.0, num_partitions=0)
     with pytest.raises(ValueError, match="sliding_window"):
         ta.paged_decode_attention(q, k_cache, v_cache, bt, lens, 1.0, 0)
     with pytest.raises(ValueError, match="do not fit"):

@@ -24,7 +24,7 @@ from draftwise.logs import ensure_logging
 from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.continuation import check_continuation
-from draftwise.worker.engine.memory_profile import cuda_peak_bytes, plan_probes, profile_activations
+from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_bytes, plan_probes, profile_activations
 from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
 from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -124,6 +124,7 @@ class LLMEngine:
                 "every running request needs at least one token per step"
             )
         draft = load_draft(config, self.loaded, self.max_model_len)
+        self.memory_profile: MemoryProfile | None = None  # what the CUDA profile measured (None: not profiled)
         num_blocks = self._num_kv_blocks(max_batched, draft)
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -138,6 +139,7 @@ class LLMEngine:
             config, draft, mcfg.vocab_size, num_blocks, self.blocks, self.max_model_len, is_step_fatal
         )
         self.spec_method: str | None = None if self.spec is None else self.spec.method
+        self.kernel_warm_up_seconds = self._warm_up_kernels(max_batched)
         self.graph_capture_seconds = self._capture_graphs(max_batched)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -172,6 +174,20 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ sizing
+
+    def _warm_up_kernels(self, max_batched: int) -> float:
+        """With Triton kernels: launch every attention variant an eager step can need, for the
+        target and the draft, so that nothing compiles while serving (graph capture compiles
+        the graphs' own). Returns the seconds it took (0.0: the torch twins, nothing to do)."""
+        runners = [self.runner] + ([self.proposer.runner] if self.proposer is not None else [])
+        k = self.config.spec_k if self.spec_method is not None else 0
+        t0 = time.perf_counter()
+        steps = sum(r.warm_up(self.config.max_num_seqs, max_batched, self.max_model_len + k + 1) for r in runners)
+        if not steps:
+            return 0.0
+        seconds = time.perf_counter() - t0
+        log.info("kernels warmed up", steps=steps, seconds=round(seconds, 2))
+        return seconds
 
     def _capture_graphs(self, max_batched: int) -> float:
         """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
@@ -253,6 +269,7 @@ class LLMEngine:
         prof = profile_activations(
             self.loaded, draft, probes, cfg.block_size, cuda_peak_bytes(dev), graphs=not cfg.enforce_eager
         )
+        self.memory_profile = prof
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(dev)
         budget = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - prof.activations

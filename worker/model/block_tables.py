@@ -25,7 +25,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["BlockTable", "BlockTableRows", "truncate_table"]
+__all__ = ["MIN_WIDTH", "BlockTable", "BlockTableRows", "truncate_table"]
+
+MIN_WIDTH = 16
+"""The narrowest rows :meth:`BlockTableRows.gather` hands out."""
 
 
 class BlockTable(list):  # list[int]; a subclass so that every list use of a table keeps working
@@ -89,10 +92,12 @@ class BlockTableRows:
         """``[len(tables), W]`` int32 on the device: row ``i`` is ``tables[i]`` padded with 0
         (attention masks what lies past a context; padding with one block keeps the keys a
         padded gather reads in cache, where stale ids would each fetch a block of their own).
-        ``W`` is the longest table rounded up to a power of two, so that the width, and what
-        decode attention sizes from it, follows the step's longest context in a few buckets."""
+        ``W`` is the longest table rounded up to a power of two, at least ``MIN_WIDTH``, so
+        that the width, and what decode attention sizes from it, follows the step's longest
+        context in a few buckets (and the row stride, which Triton specialises on, is always
+        a multiple of 16: one compiled variant, not three)."""
         longest = max((len(t) for t in tables), default=1) or 1
-        width = 1 << (longest - 1).bit_length()
+        width = max(MIN_WIDTH, 1 << (longest - 1).bit_length())
         self._fit_width(width)
         rows: list[int] = []
         scratch: list[int] = []

@@ -328,7 +328,8 @@ class GraphRunner:
             raise ValueError(f"no shape fits max_num_tokens={config.max_num_tokens}")
         self.block_size = kv_cache.block_size
         self.max_positions = min(model.rope.max_positions, config.max_model_len or model.rope.max_positions)
-        self.max_blocks = -(-self.max_positions // self.block_size)  # static block-table width
+        # static block-table width, a multiple of 16 (the row stride Triton specialises on)
+        self.max_blocks = _aligned(-(-self.max_positions // self.block_size))
         self.block_rows = block_rows if block_rows is not None else BlockTableRows(self.device)
         max_b = max(b for b, _, _ in self.shapes)
         max_t = max(t for _, t, _ in self.shapes)

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from draftwise.kernels import AttentionMetadata, get_attention_backend
-from draftwise.worker.model.block_tables import BlockTableRows
+from draftwise.worker.model.block_tables import MIN_WIDTH, BlockTableRows
 from draftwise.worker.model.chunk import SequenceChunk
 from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner, graph_unsupported_reason
 from draftwise.worker.model.kv_cache import KVCache
@@ -58,12 +58,44 @@ class ModelRunner:
         return runner
 
     @torch.inference_mode()
+    def warm_up(self, max_num_seqs: int, max_num_tokens: int, max_context: int) -> int:
+        """Launch every attention kernel variant eager steps of up to ``max_num_seqs``
+        sequences, ``max_num_tokens`` tokens and contexts of ``max_context`` can launch
+        (``draftwise.kernels.triton_attention.warm_up_plan``), so that a GPU compiles them
+        now rather than while serving; the number of steps run (0 on the torch twin, which
+        compiles nothing). The steps write KV into the cache's blocks: harmless, a block's
+        slots are always written before they are read."""
+        if self.backend.name == "torch":
+            return 0
+        from draftwise.kernels import triton_attention as ta
+
+        cfg = self.model.config
+        plan = ta.warm_up_plan(
+            max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_tokens,
+            max_context=max_context,
+            block_size=self.block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            group=cfg.num_attention_heads // cfg.num_key_value_heads,
+            num_sms=ta.num_sms(self.device),
+            min_width=MIN_WIDTH,
+        )
+        nb = self.kv_cache.num_blocks
+        for seqs, n, width in plan:
+            table = [i % nb for i in range(max(width, -(-n // self.block_size)))]
+            self._run_eager([SequenceChunk([0] * n, 0, table)] * seqs)
+        return len(plan)
+
+    @torch.inference_mode()
     def run(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:  # [sum num_logits, vocab] float32
         """Write the chunks' KV into the cache and return the logits asked for, in order."""
         if self.graph_runner is not None:
             logits = self.graph_runner.run(chunks)
             if logits is not None:
                 return logits
+        return self._run_eager(chunks)
+
+    def _run_eager(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:  # [sum num_logits, vocab] float32
         if not chunks:
             raise ValueError("empty batch")
         ids: list[int] = []
