@@ -151,3 +151,24 @@ def test_rows_follow_tail_changes() -> None:
     del c
     gc.collect()
     assert len(rows._free) == free + 1  # a dead table's row is free again
+
+
+def test_penalty_counts_add_only_new_tokens(engine: LLMEngine) -> None:
+    """A penalised request's counts live on the device (worker/sampling/token_counts.py): the
+    host adds each token once, so decoding at a ~1500-token context adds what it generates,
+    not the context again every step."""
+    vocab = engine.loaded.config.vocab_size
+    prompt = [1] + [(11 * j) % (vocab - 3) + 3 for j in range(LONG)]
+    params = SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.2, max_tokens=24, ignore_eos=True)
+    engine.add_request("pen", prompt, params)
+    req = engine.requests["pen"]
+    while not req.output_token_ids:
+        engine.step()
+    counts = req.token_counts
+    assert counts is not None
+    added0, out0 = counts.tokens_added, len(req.output_token_ids)
+    assert added0 == len(prompt) + out0 - 1  # the prompt once; the token just sampled is counted next step
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(req.output_token_ids) == 24
+    assert counts.tokens_added - added0 <= 24 - out0 + 1  # the new tokens only

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from draftwise.worker.model.block_tables import BlockTable
 from draftwise.worker.sampling.sampler import SamplingRow
 from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.sampling.token_counts import TokenCounts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -56,6 +57,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    token_counts: TokenCounts | None = field(default=None, repr=False)  # the penalties' counts (sampling_row)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,9 +88,21 @@ class Request:
             params=self.sampling_params,
             seed=self.seed,
             prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids + list(drafts) if drafts else self.output_token_ids,
+            output_token_ids=self.output_token_ids,
             eos_token_ids=self.eos_token_ids,
+            drafts=drafts,
+            counts=self._token_counts(),
         )
+
+    def _token_counts(self) -> TokenCounts | None:
+        """The device-side token counts the penalties read, made on first use (None without
+        penalties); they grow with the output, never rebuilt."""
+        p = self.sampling_params
+        if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+            return None
+        if self.token_counts is None:
+            self.token_counts = TokenCounts()
+        return self.token_counts
 
     @property
     def all_token_ids(self) -> list[int]:

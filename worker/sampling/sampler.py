@@ -21,6 +21,7 @@ import torch
 
 from draftwise.worker.sampling.keyed_random import STREAM_DRAFT, STREAM_SAMPLE, keyed_exponential
 from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.sampling.token_counts import TokenCounts
 
 _NEG_INF = float("-inf")
 
@@ -36,14 +37,29 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     """Prompt tokens (repetition penalty looks at these and the output)."""
     output_token_ids: Sequence[int]
-    """Tokens generated so far (all penalties and min_tokens look at these)."""
+    """Tokens generated so far (all penalties and min_tokens look at these, and at ``drafts``)."""
     eos_token_ids: Sequence[int] = ()
     """The model's EOS ids: masked, with params.stop_token_ids, until min_tokens are out (unless ignore_eos)."""
+    drafts: Sequence[int] = ()
+    """Drafted tokens after the output, as if already generated (a speculative position): kept
+    apart so that a row per draft position never copies the whole output."""
+    counts: TokenCounts | None = None
+    """The request's token counts kept on the device between steps (penalised requests); None:
+    counted from the token lists."""
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens this row counts as generated: the output and the drafts."""
+        return len(self.output_token_ids) + len(self.drafts)
 
     @property
     def position(self) -> int:
         """The absolute position of the token this row draws: prompt plus output length."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_output
+
+    def output_with_drafts(self) -> Sequence[int]:
+        """The output followed by the drafts (a copy only when there are drafts)."""
+        return [*self.output_token_ids, *self.drafts] if self.drafts else self.output_token_ids
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,39 @@ def _token_counts(
     return counts[:, :vocab]
 
 
+def _penalty_counts(
+    rows: Sequence[SamplingRow], needs_output: Sequence[bool], rep: Sequence[bool], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_rows, vocab] int counts of output + drafts, [num_rows, vocab] bool
+    """Per row, how often each id occurs in its output (and drafts), and which ids its prompt
+    holds (rows with a repetition penalty only). From each row's device-side
+    :class:`TokenCounts` when it has one (no pass over the context), else from the lists."""
+    if not all(r.counts is not None for r, need in zip(rows, needs_output, strict=True) if need):
+        output_counts = _token_counts(
+            [r.output_with_drafts() if need else () for r, need in zip(rows, needs_output, strict=True)], vocab, device
+        )
+        prompt_counts = _token_counts(
+            [r.prompt_token_ids if need else () for r, need in zip(rows, rep, strict=True)], vocab, device
+        )
+        return output_counts, prompt_counts > 0
+    no_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+    no_ids = torch.zeros(vocab, dtype=torch.bool, device=device)
+    outs, seens = [], []
+    for r, need, rp in zip(rows, needs_output, rep, strict=True):
+        if not need or r.counts is None:
+            outs.append(no_counts)
+            seens.append(no_ids)
+            continue
+        out, seen = r.counts.sync(r.prompt_token_ids, r.output_token_ids, vocab, device)
+        if r.drafts:
+            if any(not 0 <= t < vocab for t in r.drafts):
+                raise ValueError(f"token ids must be in [0, {vocab}) for a vocabulary of {vocab}")
+            idx = torch.tensor(list(r.drafts), dtype=torch.int64, device=device)
+            out = out.index_add(0, idx, torch.ones(idx.shape[0], dtype=out.dtype, device=device))
+        outs.append(out)
+        seens.append(seen if rp else no_ids)
+    return torch.stack(outs), torch.stack(seens)
+
+
 def apply_penalties(
     logits: torch.Tensor,  # [num_rows, vocab]
     rows: Sequence[SamplingRow],
@@ -107,15 +156,10 @@ def apply_penalties(
         return logits
     vocab, device = logits.shape[1], logits.device
     needs_output = [a or b for a, b in zip(rep, freq_pres, strict=True)]
-    output_counts = _token_counts(
-        [r.output_token_ids if need else () for r, need in zip(rows, needs_output, strict=True)], vocab, device
-    )  # [num_rows, vocab]
+    output_counts, prompt_seen = _penalty_counts(rows, needs_output, rep, vocab, device)  # [num_rows, vocab] each
 
     if any(rep):
-        prompt_counts = _token_counts(
-            [r.prompt_token_ids if need else () for r, need in zip(rows, rep, strict=True)], vocab, device
-        )  # [num_rows, vocab]
-        seen = (prompt_counts + output_counts) > 0  # [num_rows, vocab]
+        seen = prompt_seen | (output_counts > 0)  # [num_rows, vocab]
         penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=device)
         penalty = torch.where(seen, penalty.unsqueeze(1), torch.ones((), dtype=logits.dtype, device=device))
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -139,7 +183,7 @@ def apply_min_tokens(
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        if r.num_output >= r.params.min_tokens:
             continue
         banned = set(r.params.stop_token_ids)
         if not r.params.ignore_eos:
