@@ -126,6 +126,27 @@ def test_smaller_draft_vocabulary_with_penalties_and_high_prompt_ids(small_vocab
     llm.engine.check_idle_invariants()
 
 
+def test_smaller_draft_vocabulary_check_reads_only_new_tokens(small_vocab_draft):
+    """Whether the draft can read a request is checked over the tokens appended since the
+    last check, not the whole context every step; an id beyond the draft's vocabulary that
+    arrives later still turns speculation off for that request."""
+    llm = LLM(speculative_model=str(small_vocab_draft), num_speculative_tokens=3, **SMALL)
+    eng = llm.engine
+    proposer = eng.proposer
+    eng.add_request("a", [1, 536, 887, 536, 887], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    req = eng.requests["a"]
+    eng.step()
+    assert proposer.can_draft(req) and proposer.kv["a"].vocab_checked == req.num_tokens
+    checked = proposer.kv["a"].vocab_checked
+    req.output_token_ids.append(7)  # a token inside the draft's vocabulary: only it is read
+    assert proposer.can_draft(req) and proposer.kv["a"].vocab_checked == checked + 1
+    req.output_token_ids.append(5000)  # beyond the draft's 4096 entries
+    assert not proposer.can_draft(req)
+    eng.abort_request("a")
+    eng.step()
+    eng.check_idle_invariants()
+
+
 # ---------------------------------------------------------------- containment
 
 

@@ -64,6 +64,7 @@ class DraftKV:
 
     block_table: list[int] = field(default_factory=BlockTable)  # blocks of the proposer's pool
     num_computed: int = 0  # tokens whose draft KV is in the cache
+    vocab_checked: int = 0  # leading tokens of the request known to be inside the draft's vocabulary
 
 
 class DraftModelProposer(Proposer):
@@ -96,7 +97,11 @@ class DraftModelProposer(Proposer):
         v = self.loaded.config.vocab_size
         if v >= self.target_vocab:
             return True
-        return max(req.prompt_token_ids) < v and (not req.output_token_ids or max(req.output_token_ids) < v)
+        kv = self.kv.setdefault(req.request_id, DraftKV())  # only the tokens not checked before are read
+        if any(t >= v for t in req.token_slice(kv.vocab_checked, req.num_tokens)):
+            return False
+        kv.vocab_checked = req.num_tokens
+        return True
 
     def backlog(self, req: Request) -> int:
         kv = self.kv.get(req.request_id)
