@@ -33,6 +33,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV block count, overriding both budgets (tests, tuning)
     seed: int = 0  # seeds the RNG of requests that bring no seed of their own
     enforce_eager: bool = False  # never use CUDA graphs (graph capture is CUDA-only; CPU is always eager)
+    retain_freed_memory: bool = True  # glibc: keep freed heap memory in the process (worker/engine/host_memory.py)
     # --- speculative decoding (docs/engine.md); all unset: no speculation
     speculative_model: str | Path | None = None  # draft checkpoint folder, or "default": the embedded draft
     speculative_method: str | None = None  # "draft" | "ngram"; None: "draft" when speculative_model is set

@@ -24,6 +24,7 @@ from draftwise.logs import ensure_logging
 from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.continuation import check_continuation
+from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_bytes, plan_probes, profile_activations
 from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
@@ -86,6 +87,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         ensure_logging()
         self.config = config = config or EngineConfig()
+        self.retains_freed_memory = config.retain_freed_memory and retain_freed_memory()
         folder = Path(config.model) if config.model is not None else default_model_path("target")
         spec_model = config.speculative_model
         if spec_model is not None and str(spec_model) != "default" and not _is_checkpoint(spec_model):
