@@ -3,7 +3,7 @@ tokens, greedy), draftwise alone, timed ``--repeats`` times after a warm-up: for
 comparisons of two checkouts in one session, where ``bench_engine.py``'s single timed run is
 too noisy on a small machine.
 
-    python bench/bench_batch_repeat.py [--repeats 3] [--threads 2]
+    python bench/bench_batch_repeat.py [--repeats 3] [--threads 2] [--no-retain-freed-memory]
 
 Prints one JSON line (commit, wall and process CPU seconds per run, their means); writes nothing.
 """
@@ -31,9 +31,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--no-retain-freed-memory", action="store_true", help="keep glibc's malloc defaults (the engine's flag off)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", retain_freed_memory=not args.no_retain_freed_memory)
     n = 64
     prompts = heldout_prompts(llm.get_tokenizer(), n, (16, 512), seed=1)  # as bench_engine.bench_batch
     rng = random.Random(2)
@@ -48,7 +51,8 @@ def main() -> None:
         cpu.append(time.process_time() - c)
         assert sum(len(r.outputs[0].token_ids) for r in res) == sum(outs)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    out = {"commit": commit.stdout.strip(), "times_s": times, "mean_s": statistics.mean(times)}
+    out = {"commit": commit.stdout.strip(), "retain_freed_memory": llm.engine.retains_freed_memory}
+    out.update(times_s=times, mean_s=statistics.mean(times))
     out.update(cpu_s=cpu, mean_cpu_s=statistics.mean(cpu))  # process CPU time: what a noisy VM's steal does not inflate
     print(json.dumps(out))
 

@@ -1,6 +1,6 @@
 """Freed host memory stays in the process (worker/engine/host_memory.py): the page faults of
-ten decode steps at batch 32 on the real default model, with the engine's flag on and off,
-counted (not timed). mallopt is process-wide, so each case runs in a process of its own.
+ten decode steps at batch 32 on the real default model, with the engine's flag on, counted
+(not timed); with it off, the engine leaves malloc alone. mallopt is process-wide, so each case runs in a process of its own.
 (A plain allocate-and-free loop does not show it: glibc raises its mmap threshold after the
 first free of a large block; the faults come from a step's many temporaries of many sizes
 allocated by several threads.)"""
@@ -18,8 +18,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 ENGINE_STEPS = """
 import json, resource, sys
+from draftwise.worker.engine import llm_engine
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
+calls = []
+real = llm_engine.retain_freed_memory
+llm_engine.retain_freed_memory = lambda: calls.append(1) or real()
 from draftwise.worker.sampling.sampling_params import SamplingParams
 eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=32, max_model_len=1024, skip_tokenizer_init=True,
                              retain_freed_memory=sys.argv[1] == "on"))
@@ -32,7 +36,8 @@ for _ in range(12):
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
     eng.step()
-print(json.dumps({"ok": eng.retains_freed_memory, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"ok": eng.retains_freed_memory, "calls": len(calls), "faults": faults}))
 """
 
 
@@ -46,7 +51,12 @@ def _run(code: str, mode: str) -> dict:
 
 
 def test_the_engine_flag_is_honoured():
+    """On: the thresholds are set and ten decode steps fault (almost) no page in. Off: the
+    engine leaves malloc alone. glibc's own dynamic thresholds make the off case's faults
+    depend on the process's history (0 to ~12,000 over these ten steps in repeated runs on
+    the development VM, ~1,200 per step when it faults), so they are printed, not asserted."""
     off, on = _run(ENGINE_STEPS, "off"), _run(ENGINE_STEPS, "on")
-    assert (off["ok"], on["ok"]) == (False, True)
     print(f"\npage faults over 10 decode steps at batch 32: off {off['faults']}, on {on['faults']}")
-    assert on["faults"] < off["faults"] / 5
+    assert (on["ok"], on["calls"]) == (True, 1)
+    assert (off["ok"], off["calls"]) == (False, 0)
+    assert on["faults"] < 100
