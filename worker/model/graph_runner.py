@@ -212,23 +212,17 @@ def pad_batch(chunks: Sequence[SequenceChunk], shape: Shape, block_size: int) ->
         seq_of = np.repeat(np.arange(s), ns)  # [N] sequence of each real token
         j = np.arange(n) - (ends - ns)[seq_of]  # [N] its index within its sequence
         p = starts[seq_of] + j  # [N] its position
-        blocks = []
+        slot_list: list[int] = []
         for i, c in enumerate(chunks):  # the blocks of the new tokens only: O(tokens), not O(context)
-            first, last = int(starts[i]) // block_size, (int(starts[i]) + int(ns[i]) - 1) // block_size
+            start, end = int(starts[i]), int(starts[i] + ns[i])
+            first, last = start // block_size, (end - 1) // block_size
             if len(c.block_table) <= last:
-                raise ValueError(
-                    f"sequence {i}: block table of {len(c.block_table)} blocks for {starts[i] + ns[i]} tokens"
-                )
-            blocks.append(c.block_table[first : last + 1])
-        first_block = starts // block_size  # [S]
-        block_of = np.fromiter(
-            (blk[k] for blk, k in zip((blocks[i] for i in seq_of), p // block_size - first_block[seq_of], strict=True)),
-            np.int64,
-            n,
-        )
+                raise ValueError(f"sequence {i}: block table of {len(c.block_table)} blocks for {end} tokens")
+            blocks = c.block_table[first : last + 1]
+            slot_list.extend(blocks[x // block_size - first] * block_size + x % block_size for x in range(start, end))
         ids[:n] = np.fromiter((x for c in chunks for x in c.token_ids), np.int64, n)
         pos[:n] = p
-        slots[:n] = block_of * block_size + p % block_size
+        slots[:n] = slot_list
         if q == 1:
             seq_lens[:s] = starts + 1
         else:
