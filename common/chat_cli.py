@@ -195,7 +195,8 @@ def _run_chat(args: argparse.Namespace, api_key_env: str) -> int:
     try:
         with channel:
             if args.wait:
-                problem = _wait_serving(channel, args.wait, metadata)
+                with sigint_allowed():  # Ctrl-C ends the wait for the server at once
+                    problem = _wait_serving(channel, args.wait, metadata)
                 if problem is not None:
                     hint = _tls_hint(problem, bool(args.tls or args.tls_ca))
                     print(

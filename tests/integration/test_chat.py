@@ -11,6 +11,7 @@ import os
 import pty
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -237,6 +238,37 @@ def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc,
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     assert first == want
+    assert "Traceback" not in err
+
+
+def test_chat_command_ctrl_c_while_waiting_for_the_server_exits_at_once(tmp_path: Path) -> None:
+    """``--wait`` polls the server's health with SIGINT blocked in the main thread (it must be,
+    before gRPC starts its threads): a Ctrl-C then waited for the whole ``--wait``. The poll
+    lets SIGINT in, so the chat ends at once. The "server" here accepts connections and never
+    answers, so the chat is known to be inside the poll when the signal comes."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        srv.settimeout(60)
+        p = subprocess.Popen(
+            chat_cmd(f"127.0.0.1:{srv.getsockname()[1]}", "--wait", "120"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=tmp_path,
+            preexec_fn=_as_from_a_shell,
+        )
+        conn, _ = srv.accept()  # the first health check is in flight
+        with conn:
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=30)
+            took = time.monotonic() - t0
+    assert p.returncode == 0, err
+    assert took < 10, f"Ctrl-C took {took:.1f} s to end the wait"
     assert "Traceback" not in err
 
 
