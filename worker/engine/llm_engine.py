@@ -8,10 +8,8 @@ while engine.has_unfinished_requests():
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -25,20 +23,19 @@ from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.continuation import check_continuation
 from draftwise.worker.engine.host_memory import retain_freed_memory
-from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_bytes, plan_probes, profile_activations
 from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
 from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from draftwise.worker.engine.sizing import capture_graphs, num_kv_blocks, warm_up_kernels
 from draftwise.worker.model.gguf import is_gguf_path
-from draftwise.worker.model.graph_runner import GraphConfig
-from draftwise.worker.model.kv_cache import KVCache, bytes_per_block
+from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_config import ModelLoadError
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.paths import default_model_path
 from draftwise.worker.sampling.sampler import Sampler, TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.decoder import MAX_INLINE_BACKLOG, SpecDecoder, load_draft
+from draftwise.worker.speculative.decoder import SpecDecoder, load_draft
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.text.output_processor import OutputProcessor
@@ -46,10 +43,6 @@ from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("draftwise.engine")
 
-CPU_MAX_DEFAULT_KV_BYTES = 1 << 30
-"""The CPU default KV budget: enough for max_num_seqs sequences at max_model_len tokens, but
-at most this and at most CPU_MAX_DEFAULT_KV_SHARE of the machine's memory."""
-CPU_MAX_DEFAULT_KV_SHARE = 1 / 8
 DEFAULT_CHUNKED_BATCH_TOKENS = 2048
 
 _FATAL_MARKERS = (
@@ -126,8 +119,8 @@ class LLMEngine:
                 "every running request needs at least one token per step"
             )
         draft = load_draft(config, self.loaded, self.max_model_len)
-        self.memory_profile: MemoryProfile | None = None  # what the CUDA profile measured (None: not profiled)
-        num_blocks = self._num_kv_blocks(max_batched, draft)
+        # memory_profile: what the CUDA profile measured (None: not profiled)
+        num_blocks, self.memory_profile = num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len)
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -141,8 +134,15 @@ class LLMEngine:
             config, draft, mcfg.vocab_size, num_blocks, self.blocks, self.max_model_len, is_step_fatal
         )
         self.spec_method: str | None = None if self.spec is None else self.spec.method
-        self.kernel_warm_up_seconds = self._warm_up_kernels(max_batched)
-        self.graph_capture_seconds = self._capture_graphs(max_batched)
+        k = config.spec_k if self.spec_method is not None else 0
+        draft_runner = self.proposer.runner if self.proposer is not None else None
+        runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
+        self.kernel_warm_up_seconds = warm_up_kernels(
+            runners, config.max_num_seqs, max_batched, self.max_model_len + k + 1
+        )
+        self.graph_capture_seconds = capture_graphs(
+            self.runner, draft_runner, config, max_batched, self.max_model_len, k
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -175,53 +175,6 @@ class LLMEngine:
             speculation=self.spec_method,
         )
 
-    # ------------------------------------------------------------------ sizing
-
-    def _warm_up_kernels(self, max_batched: int) -> float:
-        """With Triton kernels: launch every attention variant an eager step can need, for the
-        target and the draft, so that nothing compiles while serving (graph capture compiles
-        the graphs' own). Returns the seconds it took (0.0: the torch twins, nothing to do)."""
-        runners = [self.runner] + ([self.proposer.runner] if self.proposer is not None else [])
-        k = self.config.spec_k if self.spec_method is not None else 0
-        t0 = time.perf_counter()
-        steps = sum(r.warm_up(self.config.max_num_seqs, max_batched, self.max_model_len + k + 1) for r in runners)
-        if not steps:
-            return 0.0
-        seconds = time.perf_counter() - t0
-        log.info("kernels warmed up", steps=steps, seconds=round(seconds, 2))
-        return seconds
-
-    def _capture_graphs(self, max_batched: int) -> float:
-        """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
-        steps (1 + k tokens per request, laid out flat) and of the draft's propose steps (its
-        unread tokens, at most MAX_INLINE_BACKLOG, then 1), for batch-size buckets up to
-        max_num_seqs, all in one memory pool (docs/kernels.md). Returns the seconds capture took (0.0: none)."""
-        cfg = self.config
-        if self.loaded.device.type != "cuda":
-            return 0.0
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        k = cfg.spec_k if self.spec_method is not None else 0
-        target = self.runner.enable_graphs(
-            GraphConfig.for_steps(cfg.max_num_seqs, 1 + k, max_batched, self.max_model_len), pool, cfg.enforce_eager
-        )
-        draft = None
-        if self.proposer is not None:
-            draft = self.proposer.runner.enable_graphs(
-                GraphConfig.for_steps(cfg.max_num_seqs, MAX_INLINE_BACKLOG, max_batched, self.max_model_len),
-                pool,
-                cfg.enforce_eager,
-            )
-        seconds = time.perf_counter() - t0
-        log.info(
-            "cuda graph capture",
-            seconds=round(seconds, 2),
-            target_graphs=target.num_graphs if target else 0,
-            draft_graphs=draft.num_graphs if draft else 0,
-            enforce_eager=cfg.enforce_eager,
-        )
-        return seconds if target or draft else 0.0
-
     @property
     def proposer(self) -> DraftModelProposer | None:
         """The draft-model proposer, when speculating with one (its runner, its KV pool)."""
@@ -235,55 +188,6 @@ class LLMEngine:
         if self.spec is None:
             return {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
         return self.spec.totals
-
-    def _num_kv_blocks(self, max_batched: int, draft: LoadedModel | None = None) -> int:
-        """Blocks for the target's KV pool; with a draft model, the draft's pool gets as many
-        blocks of the same size, and both come out of the one budget."""
-        cfg = self.config
-        per_block = bytes_per_block(self.loaded.config, cfg.block_size, self.loaded.dtype)
-        if draft is not None:
-            per_block += bytes_per_block(draft.config, cfg.block_size, draft.dtype)
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.loaded.device.type == "cuda":
-            budget = self._cuda_kv_budget(max_batched, draft)
-        else:
-            return cpu_default_kv_blocks(per_block, cfg.block_size, cfg.max_num_seqs, self.max_model_len)
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
-        return int(blocks)
-
-    def _cuda_kv_budget(self, max_batched: int, draft: LoadedModel | None) -> int:
-        """gpu_memory_utilization of the device, less the weights and the largest step's
-        activation peak, probed before the cache exists (worker/engine/memory_profile.py)."""
-        cfg = self.config
-        dev = self.loaded.device
-        probes = plan_probes(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max_batched,
-            max_model_len=self.max_model_len,
-            spec_k=cfg.spec_k if cfg.spec_method is not None else 0,
-            draft_model=draft is not None,
-        )
-        prof = profile_activations(
-            self.loaded, draft, probes, cfg.block_size, cuda_peak_bytes(dev), graphs=not cfg.enforce_eager
-        )
-        self.memory_profile = prof
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(dev)
-        budget = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - prof.activations
-        log.info(
-            "cuda memory profile",
-            total_mib=total >> 20,
-            activations_mib=prof.activations >> 20,
-            peaks_mib={k: v >> 20 for k, v in prof.peaks.items()},
-            graph_pool_mib=prof.graph_pool >> 20,
-            kv_budget_mib=budget >> 20,
-        )
-        return budget
 
     # ------------------------------------------------------------------ requests
 
@@ -701,14 +605,3 @@ def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | 
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
-
-
-def cpu_default_kv_blocks(per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """KV blocks on CPU when no budget is given: every one of ``max_num_seqs`` sequences at
-    ``max_model_len`` tokens, within CPU_MAX_DEFAULT_KV_BYTES and CPU_MAX_DEFAULT_KV_SHARE of the
-    machine's memory, and never less than one sequence at full length."""
-    per_seq = -(-max_model_len // block_size)
-    cap = CPU_MAX_DEFAULT_KV_BYTES
-    with contextlib.suppress(ValueError, OSError):  # without sysconf: the fixed cap alone
-        cap = min(cap, int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_MAX_DEFAULT_KV_SHARE))
-    return max(per_seq, min(max_num_seqs * per_seq, cap // per_block))

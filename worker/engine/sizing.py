@@ -1,0 +1,153 @@
+"""What an engine sizes and prepares at start, before it serves: the KV cache's block count
+(from the memory profile on CUDA, a share of the machine's memory on CPU), the kernel
+warm-up, and CUDA graph capture. Plain functions of the engine's parts, called once by
+``LLMEngine.__init__``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+
+import structlog
+import torch
+
+from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_bytes, plan_probes, profile_activations
+from draftwise.worker.model.graph_runner import GraphConfig
+from draftwise.worker.model.kv_cache import bytes_per_block
+from draftwise.worker.model.loader import LoadedModel
+from draftwise.worker.model.model_runner import ModelRunner
+from draftwise.worker.speculative.decoder import MAX_INLINE_BACKLOG
+
+__all__ = [
+    "CPU_MAX_DEFAULT_KV_BYTES",
+    "CPU_MAX_DEFAULT_KV_SHARE",
+    "capture_graphs",
+    "cpu_default_kv_blocks",
+    "num_kv_blocks",
+    "warm_up_kernels",
+]
+
+log = structlog.get_logger("draftwise.engine")
+
+CPU_MAX_DEFAULT_KV_BYTES = 1 << 30
+"""The CPU default KV budget: enough for max_num_seqs sequences at max_model_len tokens, but
+at most this and at most CPU_MAX_DEFAULT_KV_SHARE of the machine's memory."""
+CPU_MAX_DEFAULT_KV_SHARE = 1 / 8
+
+
+def num_kv_blocks(
+    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_batched: int, max_model_len: int
+) -> tuple[int, MemoryProfile | None]:
+    """Blocks for the target's KV pool (with a draft model, the draft's pool gets as many
+    blocks of the same size, and both come out of the one budget), and the memory profile
+    that sized them (None unless it was measured: CUDA without an explicit budget)."""
+    per_block = bytes_per_block(target.config, config.block_size, target.dtype)
+    if draft is not None:
+        per_block += bytes_per_block(draft.config, config.block_size, draft.dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, None
+    prof = None
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif target.device.type == "cuda":
+        budget, prof = cuda_kv_budget(config, target, draft, max_batched, max_model_len)
+    else:
+        return cpu_default_kv_blocks(per_block, config.block_size, config.max_num_seqs, max_model_len), None
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
+    return int(blocks), prof
+
+
+def cuda_kv_budget(
+    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_batched: int, max_model_len: int
+) -> tuple[int, MemoryProfile]:
+    """gpu_memory_utilization of the device, less the weights and the largest step's
+    activation peak, probed before the cache exists (worker/engine/memory_profile.py)."""
+    dev = target.device
+    probes = plan_probes(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=max_model_len,
+        spec_k=config.spec_k if config.spec_method is not None else 0,
+        draft_model=draft is not None,
+    )
+    prof = profile_activations(
+        target, draft, probes, config.block_size, cuda_peak_bytes(dev), graphs=not config.enforce_eager
+    )
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info(dev)
+    budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(dev) - prof.activations
+    log.info(
+        "cuda memory profile",
+        total_mib=total >> 20,
+        activations_mib=prof.activations >> 20,
+        peaks_mib={k: v >> 20 for k, v in prof.peaks.items()},
+        graph_pool_mib=prof.graph_pool >> 20,
+        kv_budget_mib=budget >> 20,
+    )
+    return budget, prof
+
+
+def cpu_default_kv_blocks(per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """KV blocks on CPU when no budget is given: every one of ``max_num_seqs`` sequences at
+    ``max_model_len`` tokens, within CPU_MAX_DEFAULT_KV_BYTES and CPU_MAX_DEFAULT_KV_SHARE of the
+    machine's memory, and never less than one sequence at full length."""
+    per_seq = -(-max_model_len // block_size)
+    cap = CPU_MAX_DEFAULT_KV_BYTES
+    with contextlib.suppress(ValueError, OSError):  # without sysconf: the fixed cap alone
+        cap = min(cap, int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_MAX_DEFAULT_KV_SHARE))
+    return max(per_seq, min(max_num_seqs * per_seq, cap // per_block))
+
+
+def warm_up_kernels(runners: Sequence[ModelRunner], max_num_seqs: int, max_batched: int, max_context: int) -> float:
+    """With Triton kernels: launch every attention variant an eager step can need, for each
+    runner (the target's, the draft's), so that nothing compiles while serving (graph capture
+    compiles the graphs' own). Returns the seconds it took (0.0: the torch twins, nothing to do)."""
+    t0 = time.perf_counter()
+    steps = sum(r.warm_up(max_num_seqs, max_batched, max_context) for r in runners)
+    if not steps:
+        return 0.0
+    seconds = time.perf_counter() - t0
+    log.info("kernels warmed up", steps=steps, seconds=round(seconds, 2))
+    return seconds
+
+
+def capture_graphs(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    config: EngineConfig,
+    max_batched: int,
+    max_model_len: int,
+    spec_k: int,
+) -> float:
+    """On CUDA without ``enforce_eager``: CUDA graphs of the target's decode and verify
+    steps (1 + ``spec_k`` tokens per request, laid out flat) and of the draft's propose steps
+    (its unread tokens, at most MAX_INLINE_BACKLOG, then 1), for batch-size buckets up to
+    max_num_seqs, all in one memory pool (docs/kernels.md). Returns the seconds capture took
+    (0.0: none)."""
+    if target.device.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    n = config.max_num_seqs
+    tg = target.enable_graphs(
+        GraphConfig.for_steps(n, 1 + spec_k, max_batched, max_model_len), pool, config.enforce_eager
+    )
+    dg = None
+    if draft is not None:
+        dg = draft.enable_graphs(
+            GraphConfig.for_steps(n, MAX_INLINE_BACKLOG, max_batched, max_model_len), pool, config.enforce_eager
+        )
+    seconds = time.perf_counter() - t0
+    log.info(
+        "cuda graph capture",
+        seconds=round(seconds, 2),
+        target_graphs=tg.num_graphs if tg else 0,
+        draft_graphs=dg.num_graphs if dg else 0,
+        enforce_eager=config.enforce_eager,
+    )
+    return seconds if tg or dg else 0.0
