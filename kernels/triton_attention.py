@@ -36,7 +36,9 @@ kernels are defined, so it must be set before this module is first imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -48,6 +50,7 @@ __all__ = [
     "MIN_PARTITION_TOKENS",
     "decode_num_partitions",
     "num_sms",
+    "recording_launches",
     "warm_up_plan",
     "paged_attention",
     "paged_decode_attention",
@@ -62,11 +65,23 @@ MAX_PARTITIONS = 64
 _PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 128  # off CUDA (the interpreter): a fixed stand-in, so that plans are deterministic
 
-LAUNCHED: set[tuple[object, ...]] = set()
-"""The compile keys of every launch so far: the kernel, its tensors' dtypes, its constexprs
-and the class Triton specialises each integer argument on (1, a multiple of 16, other). A
-key not seen before is a compilation on a GPU; the engine launches every key serving can
-need at start-up (:func:`warm_up_plan`), so that none is compiled while serving."""
+_recording: set[tuple[object, ...]] | None = None
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[set[tuple[object, ...]]]:
+    """Collect the compile key of every attention launch while the block runs: the kernel,
+    its tensors' dtypes, its constexprs and the class Triton specialises each integer
+    argument on (1, a multiple of 16, other). A key not seen before is a compilation on a
+    GPU; the engine launches every key serving can need at start-up (:func:`warm_up_plan`),
+    and tests check with this that serving launches none it did not. Off (no work per launch)
+    unless a block records."""
+    global _recording
+    outer, _recording = _recording, set()
+    try:
+        yield _recording
+    finally:
+        _recording = outer
 
 
 def _int_class(v: int) -> str:
@@ -74,9 +89,21 @@ def _int_class(v: int) -> str:
 
 
 def _note(
-    kernel: str, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...], constexprs: tuple[object, ...]
+    kernel: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+    ints: tuple[int, ...],
+    constexprs: tuple[object, ...],
 ) -> None:
-    LAUNCHED.add((kernel, tuple(t.dtype for t in tensors), tuple(_int_class(i) for i in ints), constexprs))
+    """Record a launch's compile key when a :func:`recording_launches` block is open."""
+    if _recording is None:
+        return
+    strides = (*q.stride()[:2], block_tables.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2])
+    classes = tuple(_int_class(i) for i in (*ints, *strides))
+    _recording.add((kernel, (q.dtype, k_cache.dtype, out.dtype), classes, constexprs))
 
 
 def prefill_block_m(max_query_len: int, group: int) -> int:
@@ -542,11 +569,14 @@ def paged_decode_attention(
         part_m = torch.empty(s, h, num_partitions, dtype=torch.float32, device=q.device)
         part_l = torch.empty(s, h, num_partitions, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(s, h, num_partitions, d, dtype=torch.float32, device=q.device)
-    strides = (*q.stride()[:2], block_tables.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2])
     _note(
         "decode",
-        (q, k_cache, out),
-        (sliding_window or 0, h, d, *strides),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        out,
+        (sliding_window or 0, h, d),
         (group, block_d, block_n, block_size, num_partitions, sliding_window is not None),
     )
     _decode_partition_kernel[(s, hkv, num_partitions)](
@@ -643,12 +673,15 @@ def paged_prefill_attention(
     if block_m < group or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= the group size {group}")
     block_q = block_m // group
-    strides = (*q.stride()[:2], block_tables.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2])
     block_n = _check_block_n(block_n or 64)
     _note(
         "varlen",
-        (q, k_cache, out),
-        (sliding_window or 0, d, *strides),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        out,
+        (sliding_window or 0, d),
         (group, block_m, block_n, block_size, sliding_window is not None),
     )
     _prefill_kernel[(s, hkv, triton.cdiv(max_query_len, block_q))](

@@ -5,7 +5,7 @@ variant it has not launched before.
 Run on CPU with the Triton kernels registered for CPU tensors (the interpreter:
 tests/conftest.py sets TRITON_INTERPRET=1) on the real default model. A variant is what
 Triton compiles one binary for: the kernel, its dtypes, its constexprs and the class of
-each integer argument (``draftwise.kernels.triton_attention.LAUNCHED`` records them). On a
+each integer argument (``draftwise.kernels.triton_attention.recording_launches`` collects them). On a
 GPU, tests/gpu/check_gpu.py counts real compilations while serving.
 """
 
@@ -50,27 +50,25 @@ def _serve(engine: LLMEngine, rng: random.Random) -> int:
 
 
 def test_serving_launches_only_what_warm_up_launched(triton_on_cpu):
-    ta.LAUNCHED.clear()
-    engine = LLMEngine(
-        EngineConfig(
-            dtype="float32",
-            max_num_seqs=4,
-            max_model_len=512,
-            max_num_batched_tokens=64,  # prompts of 150 tokens come in chunks
-            speculative_method="ngram",
-            num_speculative_tokens=3,
-            skip_tokenizer_init=True,
+    with ta.recording_launches() as warmed:
+        engine = LLMEngine(
+            EngineConfig(
+                dtype="float32",
+                max_num_seqs=4,
+                max_model_len=512,
+                max_num_batched_tokens=64,  # prompts of 150 tokens come in chunks
+                speculative_method="ngram",
+                num_speculative_tokens=3,
+                skip_tokenizer_init=True,
+            )
         )
-    )
     assert engine.runner.backend.name == "triton"
     assert engine.kernel_warm_up_seconds > 0
-    warmed = set(ta.LAUNCHED)
     kinds = {key[0] for key in warmed}
     assert kinds == {"decode", "varlen"}
     assert len({key[3][4] for key in warmed if key[0] == "decode"}) >= 2  # several partition counts
-    ta.LAUNCHED.clear()
-    steps = _serve(engine, random.Random(0))
-    served = set(ta.LAUNCHED)
+    with ta.recording_launches() as served:
+        steps = _serve(engine, random.Random(0))
     assert steps > 20 and {key[0] for key in served} == {"decode", "varlen"}
     assert served <= warmed, f"launched while serving, never at start-up: {served - warmed}"
     assert engine.spec_totals["verify_steps"] > 0  # verify steps ran the varlen kernel

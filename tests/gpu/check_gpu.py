@@ -346,7 +346,7 @@ def _attach_stand_ins(llm: Any) -> None:
     from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
 
     eng = llm.engine
-    k = eng.config.spec_k if eng.spec_method is not None else 0
+    k = eng.config.max_draft_tokens
     runners = [(eng.runner, 1 + k)]
     if eng.proposer is not None:
         runners.append((eng.proposer.runner, 2))

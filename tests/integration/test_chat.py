@@ -216,18 +216,23 @@ def _as_from_a_shell() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
-def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
-    want = reply(chat_llm, [{"role": "user", "content": "def f():"}]) + "\n"
-    p = subprocess.Popen(
-        chat_cmd(chat_gateway.address),
+def _chat_from_a_shell(cmd: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """The chat command with pipes for stdin, stdout and stderr, started as a shell would."""
+    return subprocess.Popen(
+        cmd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(),
-        cwd=tmp_path,
+        cwd=cwd,
         preexec_fn=_as_from_a_shell,
     )
+
+
+def test_chat_command_ctrl_c_while_waiting_for_input_exits_0(chat_gateway: Proc, chat_llm: LLM, tmp_path: Path) -> None:
+    want = reply(chat_llm, [{"role": "user", "content": "def f():"}]) + "\n"
+    p = _chat_from_a_shell(chat_cmd(chat_gateway.address), tmp_path)
     assert p.stdin is not None
     p.stdin.write("def f():\n")
     p.stdin.flush()
@@ -250,22 +255,13 @@ def test_chat_command_ctrl_c_while_waiting_for_the_server_exits_at_once(tmp_path
         srv.bind(("127.0.0.1", 0))
         srv.listen(8)
         srv.settimeout(60)
-        p = subprocess.Popen(
-            chat_cmd(f"127.0.0.1:{srv.getsockname()[1]}", "--wait", "120"),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-            cwd=tmp_path,
-            preexec_fn=_as_from_a_shell,
-        )
+        p = _chat_from_a_shell(chat_cmd(f"127.0.0.1:{srv.getsockname()[1]}", "--wait", "120"), tmp_path)
         conn, _ = srv.accept()  # the first health check is in flight
         with conn:
             time.sleep(0.5)
             t0 = time.monotonic()
             p.send_signal(signal.SIGINT)
-            out, err = p.communicate(timeout=30)
+            _, err = p.communicate(timeout=30)
             took = time.monotonic() - t0
     assert p.returncode == 0, err
     assert took < 10, f"Ctrl-C took {took:.1f} s to end the wait"

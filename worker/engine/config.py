@@ -108,6 +108,11 @@ class EngineConfig:
         """The most tokens drafted per request per step."""
         return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """Tokens drafted per request per step at most: ``spec_k``, 0 without speculation."""
+        return self.spec_k if self.spec_method is not None else 0
+
 
 def missing_paths(config: EngineConfig) -> list[tuple[str, str]]:
     """The checkpoint paths of ``config`` that do not exist, as (field, path); checked before

@@ -134,7 +134,7 @@ class LLMEngine:
             config, draft, mcfg.vocab_size, num_blocks, self.blocks, self.max_model_len, is_step_fatal
         )
         self.spec_method: str | None = None if self.spec is None else self.spec.method
-        k = config.spec_k if self.spec_method is not None else 0
+        k = config.max_draft_tokens
         draft_runner = self.proposer.runner if self.proposer is not None else None
         runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
         self.kernel_warm_up_seconds = warm_up_kernels(

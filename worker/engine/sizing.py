@@ -72,7 +72,7 @@ def cuda_kv_budget(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max_batched,
         max_model_len=max_model_len,
-        spec_k=config.spec_k if config.spec_method is not None else 0,
+        spec_k=config.max_draft_tokens,
         draft_model=draft is not None,
     )
     prof = profile_activations(

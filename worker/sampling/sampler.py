@@ -21,7 +21,7 @@ import torch
 
 from draftwise.worker.sampling.keyed_random import STREAM_DRAFT, STREAM_SAMPLE, keyed_exponential
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.sampling.token_counts import TokenCounts
+from draftwise.worker.sampling.token_counts import TokenCounts, add_token_ids
 
 _NEG_INF = float("-inf")
 
@@ -132,10 +132,7 @@ def _penalty_counts(
             continue
         out, seen = r.counts.sync(r.prompt_token_ids, r.output_token_ids, vocab, device)
         if r.drafts:
-            if any(not 0 <= t < vocab for t in r.drafts):
-                raise ValueError(f"token ids must be in [0, {vocab}) for a vocabulary of {vocab}")
-            idx = torch.tensor(list(r.drafts), dtype=torch.int64, device=device)
-            out = out.index_add(0, idx, torch.ones(idx.shape[0], dtype=out.dtype, device=device))
+            out = add_token_ids(out.clone(), r.drafts)  # the kept counts stay the output's
         outs.append(out)
         seens.append(seen if rp else no_ids)
     return torch.stack(outs), torch.stack(seens)

@@ -15,7 +15,17 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["TokenCounts"]
+__all__ = ["TokenCounts", "add_token_ids"]
+
+
+def add_token_ids(counts: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """Add one to ``counts`` ([vocab], in place) at each of ``ids``; returns ``counts``.
+    Raises ValueError for an id outside the vocabulary."""
+    vocab = counts.shape[0]
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"token ids must be in [0, {vocab}) for a vocabulary of {vocab}")
+    idx = torch.tensor(list(ids), dtype=torch.int64).to(counts.device, non_blocking=True)
+    return counts.index_add_(0, idx, torch.ones(idx.shape[0], dtype=counts.dtype, device=counts.device))
 
 
 class TokenCounts:
@@ -29,11 +39,7 @@ class TokenCounts:
         """Tokens added from host lists so far, the prompt's included (tests read it per step)."""
 
     def _add(self, counts: torch.Tensor, ids: Sequence[int]) -> None:
-        vocab = counts.shape[0]
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"token ids must be in [0, {vocab}) for a vocabulary of {vocab}")
-        idx = torch.tensor(list(ids), dtype=torch.int64).to(counts.device, non_blocking=True)
-        counts.index_add_(0, idx, torch.ones(idx.shape[0], dtype=counts.dtype, device=counts.device))
+        add_token_ids(counts, ids)
         self.tokens_added += len(ids)
 
     def sync(
