@@ -1,4 +1,5 @@
-"""Our model code against Hugging Face transformers, float32, within 1e-4."""
+"""Our model code against Hugging Face transformers, float32: every logit within 5x
+transformers' own float32 error of the exact (float64) forward pass (``tests/numerics.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import random
 import pytest
 
 from tests.model.hf_utils import CASES, compare_prefill_then_decode, make_checkpoint
-
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -29,5 +28,5 @@ def test_logits_match_hf(checkpoints, case, block_size):
     # several sequences, long ones (chunk path) and short ones (padded-batch path)
     lengths = [1, 5, 17, 40, 33, 2]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    worst = compare_prefill_then_decode(folder, hf, prompts, block_size, decode_steps=20, seed=block_size)
-    assert worst < TOL, f"{case} block_size={block_size}: max |ours - HF| = {worst:.3g}"
+    a = compare_prefill_then_decode(folder, hf, prompts, block_size, decode_steps=20, seed=block_size)
+    assert a.ok, f"{case} block_size={block_size}: {a.describe()}"

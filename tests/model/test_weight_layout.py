@@ -1,9 +1,11 @@
 """On CPU the model lays each projection's weight out for its threads (``[in, out]`` for one,
 column blocks multiplied as one batched product for several): the checkpoint's values, the
-same logits within float32 rounding, the same greedy tokens, whichever layout and however many
+same logits within float32 rounding (against the exact float64 values, ``tests/numerics.py``), the same greedy tokens, whichever layout and however many
 rows; and a row decoded alone gives what it gives in a batch."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.llama import Linear
 from draftwise.worker.model.loader import load_model
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
+from tests.model.hf_utils import exact_copy, hf_logits
+from tests.numerics import assert_float32_agrees
 
 PROMPTS = [[1, 5, 9, 300, 41, 7], [1, 2000, 17], [1, 77, 78, 79, 80, 81, 82, 83, 84, 85]]
 
@@ -33,6 +37,34 @@ def _decode(loaded, prompts: list[list[int]], steps: int) -> tuple[list[list[int
         logits = runner.run([SequenceChunk([t], p, tb) for t, p, tb in zip(toks, pos, tables, strict=True)])
         pos = [p + 1 for p in pos]
     return out, first
+
+
+def _assert_linear_exact(m: Linear, x: torch.Tensor, what: object) -> None:
+    """``m(x)`` against the float64 product, bounded by the error of torch's own float32
+    products over either layout (``[out, in]`` and ``[in, out]``: BLAS kernels differ)."""
+    w = m.dense_weight()
+    exact = x.double() @ w.double().t()
+    yardsticks = torch.nn.functional.linear(x, w), x @ w.t().contiguous()
+    assert_float32_agrees(m(x), exact, *yardsticks, what=str(what))
+
+
+@functools.cache
+def _hf_target():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        default_model_path("target"), dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
+def _hf_last_logits(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [len(prompts), vocab]
+    """transformers' last-position logits of each prompt: exact (float64) and float32."""
+    hf = _hf_target()
+    exact = exact_copy(hf)
+    return (
+        torch.stack([hf_logits(exact, p)[-1] for p in prompts]),
+        torch.stack([hf_logits(hf, p)[-1] for p in prompts]),
+    )
 
 
 def _target(parts: int | None):
@@ -82,7 +114,7 @@ def test_blocks_divide_the_columns_and_are_not_too_narrow() -> None:
         got = 1 if m.weight.dim() == 2 else m.weight.shape[0]
         assert got == want, (out, parts, got)
         x = torch.randn(3, 8)
-        assert torch.allclose(m(x), x @ m.dense_weight().t(), atol=1e-5)
+        _assert_linear_exact(m, x, (out, parts))
 
 
 @pytest.mark.parametrize("parts", [None, 1, 2, 3, 4])
@@ -93,7 +125,7 @@ def test_every_layout_holds_the_checkpoint_values(parts: int | None) -> None:
         if isinstance(a, Linear):
             assert torch.equal(a.dense_weight(), b.dense_weight()), name
             x = torch.randn(5, a.in_features)
-            assert (a(x) - b(x)).abs().max().item() < 1e-5, name
+            _assert_linear_exact(b, x, name)
             assert b(x[:0]).shape == (0, a.out_features), name  # no rows (a chunk that asks for no logits)
     assert ref._lm_head is None and (parts is None) == (model._lm_head is None)
     ids = torch.arange(ref.config.vocab_size)
@@ -108,7 +140,9 @@ def test_layouts_decode_the_same_tokens_batched_and_alone(parts: int) -> None:
     toks_ref, logits_ref = _decode(_target(None), PROMPTS, 24)
     laid_out = _target(parts)
     toks, logits = _decode(laid_out, PROMPTS, 24)
-    assert (logits - logits_ref).abs().max().item() < 1e-4
+    exact, yardstick = _hf_last_logits(PROMPTS)
+    for layout, got in ((None, logits_ref), (parts, logits)):
+        assert_float32_agrees(got, exact, yardstick, what=f"layout {layout}")
     assert toks == toks_ref
     for i, p in enumerate(PROMPTS):
         alone, _ = _decode(laid_out, [p], 24)

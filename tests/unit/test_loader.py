@@ -124,10 +124,8 @@ def test_sharded_checkpoint_loads(tmp_path):
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB", safe_serialization=True)
     shards = list((tmp_path / "sharded").glob("model-*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    worst = compare_prefill_then_decode(
-        tmp_path / "sharded", hf, [[1, 2, 3, 4, 5], [7, 8]], block_size=4, decode_steps=3
-    )
-    assert worst < 1e-4
+    a = compare_prefill_then_decode(tmp_path / "sharded", hf, [[1, 2, 3, 4, 5], [7, 8]], block_size=4, decode_steps=3)
+    assert a.ok, a.describe()
 
 
 def test_sharded_missing_shard(tmp_path):
