@@ -42,9 +42,9 @@ def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams)
     steps, out = [], []
     while engine.has_unfinished_requests():
         so = engine.step()
-        st = engine.spec.states.get(rid) if engine.spec is not None else None
+        sr = engine.spec.requests.get(rid) if engine.spec is not None else None
         steps.append(
-            (so.stats.num_spec_proposed, so.stats.num_spec_accepted, st is not None and st.off_steps is not None)
+            (so.stats.num_spec_proposed, so.stats.num_spec_accepted, sr is not None and sr.policy.off_steps is not None)
         )
         for o in so.finished:
             out = list(o.outputs[0].token_ids)

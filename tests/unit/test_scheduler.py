@@ -17,10 +17,10 @@ def _req(rid: str, prompt_len: int) -> Request:
 
 def _advance(sched: Scheduler, out, sampled: int = 7) -> None:
     """What the engine does after a forward pass: progress, and a token for sequences that finished their chunk."""
-    for s in out.scheduled:
-        samples = s.samples
-        s.request.num_computed_tokens += s.num_new_tokens
-        if samples:
+    samples = [s.samples for s in out.scheduled]  # before progress moves
+    sched.update_from_output(out.scheduled, {})
+    for s, sample in zip(out.scheduled, samples, strict=True):
+        if sample:
             s.request.output_token_ids.append(sampled)
 
 
@@ -117,28 +117,22 @@ def test_waiting_requests_are_admitted_before_drafts():
     out = sched.schedule()
     _advance(sched, out)  # a decodes from now on
     sched.add(_req("b", 8))
-    asked: list[tuple[str, int]] = []
-
-    def lookahead(req: Request, batch_size: int) -> int:
-        asked.append((req.request_id, batch_size))
-        return 5
-
-    out = sched.schedule(lookahead)
-    # a's decode token, b's whole prompt, then a's drafts from the 3 tokens left (not 5)
+    out = sched.schedule({"a": 5, "b": 5})
+    # a's decode token, b's whole prompt, then a's drafts from the 3 tokens left (not 5); b is
+    # not decoding, so its entry is not read
     assert _plan(out) == [("a", 4), ("b", 8)]
-    assert out.scheduled[0].num_draft_tokens == 3 and asked == [("a", 2)]
+    assert out.scheduled[0].num_draft_tokens == 3 and out.scheduled[1].num_draft_tokens == 0
     full = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=8), BlockManager(100, 4))
     for rid in "ab":
         full.add(_req(rid, 4))
     _advance(full, full.schedule())  # a and b decode from now on
     full.add(_req("c", 20))
-    asked.clear()
-    out = full.schedule(lookahead)  # a and b decode (2 tokens), c's prompt takes the other 10: no draft
-    assert _plan(out) == [("a", 1), ("b", 1), ("c", 10)] and asked == []
+    out = full.schedule({"a": 5, "b": 5})  # a and b decode (2 tokens), c's prompt takes the other 10: no draft
+    assert _plan(out) == [("a", 1), ("b", 1), ("c", 10)]
     tight = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), BlockManager(3, 4))
     tight.add(_req("x", 4))
     _advance(tight, tight.schedule())  # x: 5 tokens, 2 blocks
     tight.add(_req("y", 4))
-    out = tight.schedule(lookahead)  # y takes the last block: x's drafts would need another
+    out = tight.schedule({"x": 5})  # y takes the last block: x's drafts would need another
     assert _plan(out) == [("x", 1), ("y", 4)] and out.scheduled[0].num_draft_tokens == 0
     assert tight.blocks.num_free_blocks == 0

@@ -8,11 +8,11 @@ while engine.has_unfinished_requests():
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -21,11 +21,12 @@ import torch
 from draftwise.logs import ensure_logging
 from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.containment import EngineDeadError, Failure, contain, contain_each, is_step_fatal
 from draftwise.worker.engine.continuation import check_continuation
 from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
 from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
-from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from draftwise.worker.engine.sizing import capture_graphs, num_kv_blocks, warm_up_kernels
 from draftwise.worker.model.gguf import is_gguf_path
 from draftwise.worker.model.kv_cache import KVCache
@@ -35,7 +36,7 @@ from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.paths import default_model_path
 from draftwise.worker.sampling.sampler import Sampler, TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.decoder import SpecDecoder, load_draft
+from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan, Verified, load_draft
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.text.output_processor import OutputProcessor
@@ -45,33 +46,57 @@ log = structlog.get_logger("draftwise.engine")
 
 DEFAULT_CHUNKED_BATCH_TOKENS = 2048
 
-_FATAL_MARKERS = (
-    "out of memory",
-    "cuda error",
-    "cublas",
-    "cudnn",
-    "device-side assert",
-    "illegal memory access",
-    "nccl",
-    "hip error",
-)
+__all__ = ["EngineDeadError", "LLMEngine", "is_step_fatal"]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine hit an error that poisons the whole step (device error, out of memory, a
-    broken invariant) and stopped: every request on it is lost; the process should exit so
-    that a supervisor replaces it."""
+@dataclass(frozen=True)
+class StepTokens:
+    """New tokens for one request from this step's sampling or verification."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    verified: Verified | None = None  # the speculation round they come from (None: one sampled token)
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafts the round accepted (0 for a sampled token)."""
+        return 0 if self.verified is None else self.verified.num_accepted
 
 
-def is_step_fatal(exc: BaseException) -> bool:
-    """Whether ``exc`` poisons the whole step rather than one request's rows: out of memory
-    and device errors (after which the device state cannot be trusted)."""
-    if isinstance(exc, MemoryError | torch.OutOfMemoryError | EngineDeadError):
-        return True
-    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(m in text for m in _FATAL_MARKERS)
+class _Step:
+    """The deltas and final outputs one step reports, in order."""
+
+    def __init__(self, carried: _Step | None = None) -> None:
+        self.deltas: list[RequestDelta] = [] if carried is None else carried.deltas
+        self.finished: list[RequestOutput] = [] if carried is None else carried.finished
+
+    def add(self, delta: RequestDelta) -> None:
+        self.deltas.append(delta)
+        if delta.final is not None:
+            self.finished.append(delta.final)
+
+
+def logit_rows(
+    scheduled: list[ScheduledRequest],
+) -> tuple[list[tuple[Request, int]], list[tuple[ScheduledRequest, int]]]:
+    """Which logits rows are whose: (request, row) of those that sample one token, and
+    (request, first row) of those verifying drafts (read before progress moves)."""
+    plain: list[tuple[Request, int]] = []
+    verify: list[tuple[ScheduledRequest, int]] = []
+    row = 0
+    for s in scheduled:
+        if s.num_draft_tokens:
+            verify.append((s, row))
+            row += 1 + s.num_draft_tokens
+        elif s.samples:
+            plain.append((s.request, row))
+            row += 1
+    return plain, verify
+
+
+def _req(s: ScheduledRequest | StepTokens) -> Request:
+    return s.request
 
 
 class LLMEngine:
@@ -131,7 +156,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.kv_cache)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.spec: SpecDecoder | None = SpecDecoder.build(
-            config, draft, mcfg.vocab_size, num_blocks, self.blocks, self.max_model_len, is_step_fatal
+            config, draft, mcfg.vocab_size, num_blocks, self.max_model_len
         )
         self.spec_method: str | None = None if self.spec is None else self.spec.method
         k = config.max_draft_tokens
@@ -150,18 +175,14 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.blocks,
-            on_release=None if self.spec is None else self.spec.release,
         )
         self.sampler = Sampler()
-        self.output = OutputProcessor(self.tokenizer, self.max_model_len, self._finish, self._spec_stats)
+        self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
-        self._pending: list[tuple[RequestDelta, RequestOutput]] = []  # aborts, reported next step
-        self._deltas: list[RequestDelta] = []  # the current step's
-        self._finished: list[RequestOutput] = []
+        self._pending = _Step()  # aborts, reported with the next step
         self.dead: str | None = None  # why the engine stopped (EngineDeadError); None while it runs
         self.num_steps = 0
-        self.num_request_errors = 0  # requests the engine failed on their own (the others went on)
         log.info(
             "kv cache ready",
             blocks=num_blocks,
@@ -308,16 +329,13 @@ class LLMEngine:
         if req is None or req.is_finished:
             return False
         self._finish(req, FinishReason.ABORT)
-        delta = self.output.closing_delta(req)
-        final = delta.final
-        assert final is not None
+        self._pending.add(self.output.closing_delta(req, self._spec_stats(req)))
         self._forget(req)
-        self._pending.append((delta, final))
         log.info("request aborted", request_id=request_id, output_tokens=len(req.output_token_ids))
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending.deltas)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -342,94 +360,69 @@ class LLMEngine:
             raise EngineDeadError(f"the engine stopped after a step-wide error: {self.dead}") from e
 
     def _step(self) -> StepOutput:
-        """schedule -> propose -> run -> sample / verify -> process (outputs come out of the
-        last two through the OutputProcessor, in ``_emit``)."""
+        """plan speculation -> schedule -> catch up and propose -> run -> sample / verify ->
+        update progress -> process outputs; finished and failed requests are freed in
+        ``_finish`` (each phase returns data; nothing calls back into the engine)."""
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, []
-        self._deltas, self._finished = [d for d, _ in pending], [o for _, o in pending]
+        step, self._pending = _Step(self._pending), _Step()
         spec = self.spec
-        # schedule (a decoding request may get draft positions to verify)
-        sched = self.scheduler.schedule(None if spec is None else spec.lookahead(len(self.scheduler.running)))
-        scheduled = sched.scheduled
-        if spec is not None and spec.doomed:  # requests whose own planning failed (their n-gram lookup, ...)
-            doomed, spec.doomed = spec.doomed, []
-            for req, err in doomed:
-                self._fail(req, err)
-            scheduled = [s for s in scheduled if not s.request.is_finished]
-        if spec is not None and spec.behind:  # the draft reads what it lags behind, within the budget left
-            spec.catch_up(self.scheduler.config.max_num_batched_tokens - sched.num_batched_tokens, self._fail)
-            scheduled = [s for s in scheduled if not s.request.is_finished]
-        counts = (0, 0)
+        plan = spec.plan(self.scheduler.running) if spec is not None else SpecPlan()
+        self._fail(step, plan.failed)
+        sched = self.scheduler.schedule(plan.draft_k)
+        for rid in sched.preempted:
+            self._release_spec(self.requests[rid])
+        scheduled = self._draft(step, sched, plan.behind)
+        proposed = accepted = 0
         if scheduled:
-            # propose
-            verifying = [s for s in scheduled if s.num_draft_tokens]
-            draft_q: dict[str, torch.Tensor | None] = {}
-            if verifying:
-                assert spec is not None
-                draft_q = spec.propose(verifying, self._fail)
-                scheduled = [s for s in scheduled if not s.request.is_finished]
-            now = time.monotonic()
-            for s in scheduled:
-                if s.request.first_scheduled_time is None:
-                    s.request.first_scheduled_time = now
             pure = all(s.samples and s.num_new_tokens == 1 + s.num_draft_tokens for s in scheduled)
             num_tokens = sum(s.num_new_tokens for s in scheduled)
             t_run = time.perf_counter()
-            # run
-            scheduled, logits = self._run_contained(scheduled)  # [sum of num_logits, vocab]
-            plain, verify = self._logit_rows(scheduled)
-            # sample / verify, and process the tokens into outputs
-            if plain:
-                self._sample_plain(logits, plain)
-            if verify:
-                assert spec is not None
-                counts = spec.verify(logits, verify, draft_q, self._emit, self._fail)
+            scheduled, logits = self._run(step, scheduled)  # [sum of num_logits, vocab]
+            plain, verify = logit_rows(scheduled)
+            results = self._sample(step, logits, plain) + self._verify(step, logits, verify)
+            self.scheduler.update_from_output(scheduled, {v.request.request_id: v.num_accepted for v in results})
+            proposed, accepted = self._process(step, results)
             if spec is not None and pure:
-                # a pure decode/verify step: its cost (forward, sampling or verification, outputs)
-                # feeds the speculation policy; the proposer's share is recorded by the SpecDecoder
-                spec.policy.costs.record_target(num_tokens, time.perf_counter() - t_run)
+                spec.record_target_step(num_tokens, time.perf_counter() - t_run)
         self.num_steps += 1
-        stats = StepStats(
-            num_scheduled=len(scheduled),
-            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preempted=len(sched.preempted),
-            num_free_blocks=self.blocks.num_free_blocks,
-            step_time=time.perf_counter() - t0,
-            num_spec_proposed=counts[0],
-            num_spec_accepted=counts[1],
-        )
-        out = StepOutput(deltas=self._deltas, finished=self._finished, stats=stats)
-        self._deltas, self._finished = [], []
-        return out
+        return StepOutput(step.deltas, step.finished, self._stats(scheduled, sched, t0, proposed, accepted))
 
-    # ------------------------------------------------------------------ run
+    # ------------------------------------------------------------------ phases
 
-    def _run_contained(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """The forward pass; when it fails, each sequence runs alone to find the ones that
-        fail by themselves (finished with their error), and the rest run again together.
-        Rerunning is safe: a forward pass only writes KV at positions not yet counted."""
+    def _draft(self, step: _Step, sched: SchedulerOutput, behind: list[Request]) -> list[ScheduledRequest]:
+        """After scheduling: the proposer catches up on what it lags behind within the budget
+        left, then drafts the granted positions; returns the scheduled requests still alive."""
+        spec, scheduled = self.spec, sched.scheduled
+        if spec is not None:
+            left = self.scheduler.config.max_num_batched_tokens - sched.num_batched_tokens
+            self._fail(step, spec.catch_up([r for r in behind if r.status is RequestStatus.RUNNING], left))
+            self._fail(step, spec.propose([s for s in scheduled if s.num_draft_tokens and not s.request.is_finished]))
+        now = time.monotonic()
+        alive = [s for s in scheduled if not s.request.is_finished]
+        for s in alive:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        return alive
+
+    def _run(self, step: _Step, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """The forward pass, contained: when it fails, each sequence runs alone to find the
+        ones that fail by themselves (finished with their error), and the rest run again
+        together. Rerunning is safe: a forward pass only writes KV at positions not yet counted."""
         try:
             return scheduled, self.runner.run([self._chunk(s) for s in scheduled])
         except Exception as e:
             if is_step_fatal(e):
                 raise
             first = e
-        log.warning("forward pass failed; isolating", error=repr(first), sequences=len(scheduled))
-        survivors = []
-        for s in scheduled:
-            try:
-                self.runner.run([self._chunk(s)])
-                survivors.append(s)
-            except Exception as e:
-                if is_step_fatal(e):
-                    raise
-                self._fail(s.request, e)
-        if not survivors:
+        done, failed = contain(
+            scheduled, lambda ss: [self.runner.run([self._chunk(s) for s in ss])], _req, "forward pass"
+        )
+        self._fail(step, failed)
+        if not done:
             return [], torch.empty(0)
-        if len(survivors) == len(scheduled):  # no sequence fails alone: the batch itself is broken
+        if not failed:  # no sequence fails alone: the batch itself is broken
             raise EngineDeadError(f"the forward pass fails for the batch but for no sequence alone: {first!r}")
+        survivors = [s for s, _ in done]
         return survivors, self.runner.run([self._chunk(s) for s in survivors])
 
     def _chunk(self, s: ScheduledRequest) -> SequenceChunk:
@@ -443,102 +436,96 @@ class LLMEngine:
             r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
         )
 
-    @staticmethod
-    def _logit_rows(
-        scheduled: list[ScheduledRequest],
-    ) -> tuple[list[tuple[Request, int]], list[tuple[ScheduledRequest, int]]]:
-        """Which logits rows are whose: (request, row) of those that sample one token, and
-        (request, first row) of those verifying drafts. The first kind's computed tokens move
-        on here; a verifying request's move on when its drafts are accepted."""
-        plain: list[tuple[Request, int]] = []
-        verify: list[tuple[ScheduledRequest, int]] = []
-        row = 0
-        for s in scheduled:
-            if s.num_draft_tokens:
-                verify.append((s, row))
-                row += 1 + s.num_draft_tokens
-                continue
-            samples = s.samples  # before num_computed_tokens moves
-            s.request.num_computed_tokens += s.num_new_tokens
-            if samples:
-                plain.append((s.request, row))
-                row += 1
-        return plain, verify
-
-    # ------------------------------------------------------------------ sample
-
-    def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[Request, int]]) -> None:
-        reqs = [r for r, _ in plain]
-        rows = [r.sampling_row() for r in reqs]
+    def _sample(self, step: _Step, logits: torch.Tensor, plain: list[tuple[Request, int]]) -> list[StepTokens]:
+        """One token for each request of ``plain`` (request, its logits row), contained."""
+        if not plain:
+            return []
         idx = [i for _, i in plain]
         if idx != list(range(logits.shape[0])):
             logits = logits[torch.tensor(idx, device=logits.device)]
-        try:
-            out = self.sampler(logits, rows)
-            results = list(zip(reqs, out.token_ids, out.logprobs, strict=True))
-        except Exception as e:
-            if is_step_fatal(e):
-                raise
-            log.warning("sampling failed for the batch; isolating", error=repr(e), rows=len(rows))
-            results = []
-            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
-                try:
-                    one = self.sampler(logits[i : i + 1], [row])
-                    results.append((r, one.token_ids[0], one.logprobs[0]))
-                except Exception as e1:
-                    if is_step_fatal(e1):
-                        raise
-                    self._fail(r, e1)
-        for r, tok, lp in results:
-            self._emit(r, [tok], [lp])
+        rows = {r.request_id: (n, r.sampling_row()) for n, (r, _) in enumerate(plain)}
 
-    # ------------------------------------------------------------------ process
+        def run(reqs: Sequence[Request]) -> list[StepTokens]:
+            picked = [rows[r.request_id] for r in reqs]
+            sub = logits if len(reqs) == len(plain) else logits[[n for n, _ in picked]]
+            out = self.sampler(sub, [row for _, row in picked])
+            return [StepTokens(r, [t], [lp]) for r, t, lp in zip(reqs, out.token_ids, out.logprobs, strict=True)]
 
-    def _emit(self, r: Request, tokens: list[int], lps: list[TokenLogprobs | None]) -> RequestDelta | None:
-        """Append ``tokens`` to ``r`` and report them; None when that failed (``r`` is then
-        finished with its error, its unsent tokens dropped)."""
-        sent = len(r.output_token_ids)
-        try:
-            delta = self.output.append(r, tokens, lps)
-        except Exception as e:
-            if is_step_fatal(e):
-                raise
-            del r.output_token_ids[sent:]
-            del r.output_logprobs[sent:]
-            self._fail(r, e)
-            return None
-        if delta.finished:
-            final = self.output.final(r)
-            delta = dataclasses.replace(delta, final=final)
-            self._finished.append(final)
-            self._forget(r)
-        self._deltas.append(delta)
-        return delta
+        done, failed = contain([r for r, _ in plain], run, lambda r: r, "sampling")
+        self._fail(step, failed)
+        return [t for _, t in done]
 
-    def _fail(self, req: Request, err: BaseException) -> None:
-        """Finish ``req`` because of an error of its own: its blocks go back, and its final
-        delta (finish_reason "error") carries the reason. The other requests go on."""
-        if req.is_finished:
-            return
-        message = f"{type(err).__name__}: {err}"
-        log.error("request failed in the engine", request_id=req.request_id, error=message, exc_info=err)
-        self.num_request_errors += 1
-        self._finish(req, FinishReason.ERROR)
-        error = f"the engine failed this request ({message}); other requests were not affected"
-        delta = self.output.closing_delta(req, error)
-        assert delta.final is not None
-        self._finished.append(delta.final)
-        self._deltas.append(delta)
-        self._forget(req)
+    def _verify(
+        self, step: _Step, logits: torch.Tensor, verify: list[tuple[ScheduledRequest, int]]
+    ) -> list[StepTokens]:
+        if not verify:
+            return []
+        assert self.spec is not None
+        verified, failed = self.spec.verify(logits, verify)
+        self._fail(step, failed)
+        return [StepTokens(v.request, v.token_ids, v.logprobs, v) for v in verified]
+
+    def _process(self, step: _Step, results: list[StepTokens]) -> tuple[int, int]:
+        """Append each request's new tokens through the output processor, settle speculation
+        rounds, finish what is finished; returns (drafts verified, accepted that reached the
+        output) for the step's stats."""
+        proposed = accepted = 0
+        done, failed = contain_each(results, lambda t: self.output.append(t.request, t.token_ids, t.logprobs), _req)
+        self._fail(step, failed)
+        for t, app in done:
+            r = t.request
+            if t.verified is not None:
+                assert self.spec is not None
+                proposed += t.verified.num_drafts
+                accepted += self.spec.settle(t.verified, len(app.token_ids), app.finish is not None)
+            if app.finish is not None:
+                self._finish(r, app.finish.reason, app.finish.stop_reason)
+            step.add(self.output.delta(r, app, self._spec_stats(r)))
+            if r.is_finished:
+                self._forget(r)
+        return proposed, accepted
+
+    def _stats(
+        self, scheduled: list[ScheduledRequest], sched: SchedulerOutput, t0: float, proposed: int, accepted: int
+    ) -> StepStats:
+        return StepStats(
+            num_scheduled=len(scheduled),
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(sched.preempted),
+            num_free_blocks=self.blocks.num_free_blocks,
+            step_time=time.perf_counter() - t0,
+            num_spec_proposed=proposed,
+            num_spec_accepted=accepted,
+        )
+
+    # ------------------------------------------------------------------ finishing
+
+    def _fail(self, step: _Step, failures: Sequence[Failure]) -> None:
+        """Finish each failed request because of an error of its own: its blocks go back, and
+        its final delta (finish_reason "error") carries the reason. The other requests go on."""
+        for f in failures:
+            req, err = f.request, f.error
+            if req.is_finished:
+                continue
+            message = f"{type(err).__name__}: {err}"
+            log.error("request failed in the engine", request_id=req.request_id, error=message, exc_info=err)
+            self._finish(req, FinishReason.ERROR)
+            error = f"the engine failed this request ({message}); other requests were not affected"
+            step.add(self.output.closing_delta(req, self._spec_stats(req), error))
+            self._forget(req)
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """``req`` is finished: out of the queues, its blocks freed."""
+        """``req`` is finished: out of the queues, its blocks (and the proposer's) freed. The one
+        place every finished, failed or aborted request goes through."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.finish_time = time.monotonic()
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)
+        self._release_spec(req)
         log.debug(
             "request finished",
             request_id=req.request_id,
@@ -546,6 +533,11 @@ class LLMEngine:
             output_tokens=len(req.output_token_ids),
             preemptions=req.num_preemptions,
         )
+
+    def _release_spec(self, req: Request) -> None:
+        """``req``'s target blocks were freed (finished or preempted): its drafts go too."""
+        if self.spec is not None:
+            self.spec.release(req)
 
     def _forget(self, req: Request) -> None:
         """``req``'s final output is built: its text and speculation state go."""

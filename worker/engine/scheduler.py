@@ -8,15 +8,19 @@ the newest running request gives its blocks back and goes to the front of the qu
 recomputed later: nothing is lost.
 
 With speculative decoding, a running request in decode (one uncomputed token) may also be
-given ``k`` draft positions to verify: ``lookahead(request, batch_size)`` says how many it
+given ``k`` draft positions to verify: ``draft_k`` (planned before scheduling) says how many it
 wants; they count in the token budget and in the request's blocks, and are dropped rather
 than preempting anyone when blocks are short.
+
+The scheduler is the one writer of a request's progress: ``num_computed_tokens`` moves here
+(:meth:`Scheduler.update_from_output` after each step, back to 0 on preemption), and so do the
+request's blocks (grown when scheduled, shrunk when drafts are rejected, freed when it leaves).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -64,21 +68,11 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        blocks: BlockManager,
-        on_release: Callable[[Request], None] | None = None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
-        self.on_release = on_release  # called whenever a request's blocks are freed (draft KV goes too)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -97,18 +91,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
-
-    def _release(self, req: Request) -> None:
         self.blocks.free(req.block_table)
-        if self.on_release is not None:
-            self.on_release(req)
 
-    def schedule(self, lookahead: Callable[[Request, int], int] | None = None) -> SchedulerOutput:
+    def schedule(self, draft_k: Mapping[str, int] | None = None) -> SchedulerOutput:
         """The next step's batch: running requests first (oldest first), then waiting ones
         (first come, first served), then draft positions for decoding requests with what budget
-        is left. ``lookahead(request, batch_size)``: draft tokens a decoding request wants
-        verified this step (speculative decoding; None: none)."""
+        is left. ``draft_k``: request id -> draft tokens a decoding request wants verified this
+        step (speculative decoding)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -136,21 +125,35 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         # drafts last: a waiting request's prompt is work the client is owed, a draft only a guess
-        if lookahead is not None and budget > 0:
-            self._add_drafts(out, budget, lookahead)
+        if draft_k and budget > 0:
+            self._add_drafts(out, budget, draft_k)
         return out
 
-    def _add_drafts(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Request, int], int]) -> None:
+    def update_from_output(self, scheduled: list[ScheduledRequest], accepted: Mapping[str, int]) -> None:
+        """After a step's tokens are sampled or verified: each scheduled request that is still
+        unfinished has computed what it was scheduled (a verifying request: its last token and
+        ``accepted[id]`` drafts), and a verifying request gives back the blocks of its rejected
+        positions. Call before the new tokens are appended (``samples`` reads the old state)."""
+        for s in scheduled:
+            r = s.request
+            if r.is_finished:
+                continue
+            if not s.num_draft_tokens:
+                r.num_computed_tokens += s.num_new_tokens
+                continue
+            r.num_computed_tokens += 1 + accepted[r.request_id]  # the last one emitted is new
+            self.blocks.shrink(r.block_table, r.num_computed_tokens + 1)
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int, draft_k: Mapping[str, int]) -> None:
         """Give decoding requests their draft positions, oldest first, while budget and free
         blocks last (drafts never preempt anyone)."""
-        batch_size = len(self.running)
         for idx, s in enumerate(out.scheduled):
             if budget <= 0:
                 break
             req = s.request
             if s.num_new_tokens != 1 or req.num_uncomputed_tokens != 1:
                 continue
-            k = min(lookahead(req, batch_size), budget)
+            k = min(draft_k.get(req.request_id, 0), budget)
             if k > 0 and self.blocks.grow(req.block_table, req.num_computed_tokens + 1 + k):
                 out.scheduled[idx] = ScheduledRequest(req, 1 + k, k)
                 budget -= k
@@ -168,7 +171,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.blocks.free(req.block_table)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

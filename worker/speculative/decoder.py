@@ -1,35 +1,39 @@
 """The SpecDecoder: speculative decoding from proposal to rollback, and all its state.
 
-The engine asks it four things per step (docs/engine.md, "Speculative decoding"):
+The engine's step asks it, phase by phase, and gets data back (docs/engine.md, "Speculative
+decoding"); nothing in it calls back into the engine:
 
-1. **plan** (while scheduling): ``lookahead(req, batch_size)`` — how many draft positions a
-   decoding request gets, from the policy's k for it (within its max_tokens and the context)
-   and what the proposer can offer;
-2. **propose**: the proposer drafts that many tokens for each such request (retried request by
-   request when the batch fails);
-3. **verify**: after the target's forward pass over ``[last token, drafts...]``, exact
-   rejection sampling against the target's distributions picks the tokens;
-4. **accept and roll back**: the request's computed tokens move past the accepted prefix, the
-   target's blocks for rejected positions go back, the proposer keeps only the accepted
-   prefix of its own state, and the policy learns from the round.
+1. **plan** (before scheduling): :meth:`SpecDecoder.plan` — how many draft positions each
+   decoding request wants (the policy's k within its max_tokens and the context, and what the
+   proposer can offer), which requests the proposer must catch up first, and which failed;
+2. **catch up / propose** (after scheduling): the proposer reads what it lags behind within the
+   token budget left, then drafts the granted positions (:meth:`catch_up`, :meth:`propose`);
+3. **verify**: after the target's forward pass over ``[last token, drafts...]``, exact rejection
+   sampling against the target's distributions picks the tokens (:meth:`verify` returns them);
+4. **settle**: once the output processor has kept what it keeps, the policy learns from the
+   round, the counters count what reached the output, and the proposer keeps only the accepted
+   prefix of its own state (:meth:`settle`). The request's progress and blocks are the
+   scheduler's (``Scheduler.update_from_output``).
 
-It owns every piece of speculation state: each request's policy state and counters
-(``RequestSpecState``), the drafts of the current step, the proposer (with its own per-request
-state) and the cost model. :class:`~draftwise.worker.engine.request.Request` holds none of it.
+Per request it keeps one record (:class:`SpecRequest`: the policy's state and counters, this
+step's drafts and their draft distributions, a k deferred while catching up); the proposer
+keeps its own per-request state. :class:`~draftwise.worker.engine.request.Request` holds none
+of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import structlog
 import torch
 
 from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.engine.containment import Failure, contain, is_step_fatal
 from draftwise.worker.engine.continuation import add_spec_counters
-from draftwise.worker.engine.outputs import RequestDelta, SpecStats
+from draftwise.worker.engine.outputs import SpecStats
 from draftwise.worker.engine.request import Request
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_config import ModelLoadError
@@ -42,17 +46,39 @@ from draftwise.worker.speculative.proposer import Proposer
 from draftwise.worker.speculative.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
-    from draftwise.worker.engine.block_manager import BlockManager
     from draftwise.worker.engine.scheduler import ScheduledRequest
 
-log = structlog.get_logger("draftwise.spec")
 
-Emit = Callable[[Request, list[int], list[TokenLogprobs | None]], RequestDelta | None]
-"""Append tokens to a request and report them (the engine's output path); None if it failed."""
-Fail = Callable[[Request, BaseException], None]
-"""Finish a request because of an error of its own."""
-IsFatal = Callable[[BaseException], bool]
-"""Whether an error poisons the whole step (then it is raised, never contained)."""
+@dataclass
+class SpecRequest:
+    """One request's speculation: the policy's state and counters, and this step's drafts."""
+
+    policy: RequestSpecState
+    drafts: list[int] = field(default_factory=list)  # this step's drafted tokens (verified after its last token)
+    q: torch.Tensor | None = None  # [len(drafts), vocab]: their draft distributions; None: one-hot
+    deferred_k: int | None = None  # the k chosen while the proposer was behind: drafted once caught up
+
+
+@dataclass
+class SpecPlan:
+    """What speculation wants of this step, decided before scheduling."""
+
+    draft_k: dict[str, int] = field(default_factory=dict)  # request id -> draft positions wanted (>= 1)
+    behind: list[Request] = field(default_factory=list)  # the proposer must catch up first: no drafts yet
+    failed: list[Failure] = field(default_factory=list)  # planning failed for these requests
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One request's verified round: the tokens to append (accepted drafts, then the target's
+    own token), and what the round was."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    num_drafts: int  # k: drafts verified
+    num_accepted: int  # of which accepted (the draft's real agreement)
+    num_tokens_before: int  # the request's length before the round
 
 
 MAX_INLINE_BACKLOG = 2
@@ -85,21 +111,12 @@ def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) ->
 
 
 class SpecDecoder:
-    """Propose → verify → accept → roll back, over the target's blocks ``blocks``."""
+    """Plan → catch up → propose → verify → settle; all speculation state."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        proposer: Proposer,
-        blocks: BlockManager,
-        max_model_len: int,
-        is_fatal: IsFatal,
-    ) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer, max_model_len: int) -> None:
         self.proposer = proposer
         self.method = proposer.name
-        self.blocks = blocks
         self.max_model_len = max_model_len
-        self.is_fatal = is_fatal
         k = config.spec_k
         # n-gram lookup costs next to nothing, and its matches come and go with the text (a copy
         # resumes after an edit): a request it switched off is probed again sooner
@@ -109,23 +126,11 @@ class SpecDecoder:
         )
         self.adaptive = config.speculative_adaptive
         self.totals = {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
-        self.states: dict[str, RequestSpecState] = {}  # request id -> policy state and counters
-        self.drafts: dict[str, list[int]] = {}  # request id -> this step's drafted tokens
-        self.doomed: list[tuple[Request, BaseException]] = []  # failed while planning; finished after
-        self.behind: dict[str, Request] = {}  # request id -> request: the proposer must catch up first (this step)
-        self.deferred: dict[str, int] = {}  # request id -> the k chosen while it was behind: drafted once caught up
-        self._round: tuple[str, int, int] | None = None  # (request id, accepted, output length) being emitted
+        self.requests: dict[str, SpecRequest] = {}  # request id -> its speculation record
 
     @classmethod
     def build(
-        cls,
-        config: EngineConfig,
-        draft: LoadedModel | None,
-        target_vocab: int,
-        num_blocks: int,
-        blocks: BlockManager,
-        max_model_len: int,
-        is_fatal: IsFatal,
+        cls, config: EngineConfig, draft: LoadedModel | None, target_vocab: int, num_blocks: int, max_model_len: int
     ) -> SpecDecoder | None:
         """The decoder ``config`` asks for (None: no speculation). A draft model's cache gets
         ``num_blocks`` blocks, as many as the target's."""
@@ -136,7 +141,7 @@ class SpecDecoder:
             proposer = DraftModelProposer(draft, num_blocks, config.block_size, target_vocab)
         else:
             proposer = NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 4)
-        return cls(config, proposer, blocks, max_model_len, is_fatal)
+        return cls(config, proposer, max_model_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -146,228 +151,173 @@ class SpecDecoder:
         state = self.policy.new_state(cap)
         if earlier is not None:
             add_spec_counters(state, earlier)
-        self.states[req.request_id] = state
+        self.requests[req.request_id] = SpecRequest(state)
 
     def stats(self, req: Request) -> SpecStats | None:
-        """The request's counters so far; None when it does not speculate. While a verified
-        round is being emitted, only its accepted drafts that reached the output count."""
-        st = self.states.get(req.request_id)
-        if st is None:
+        """The request's counters so far; None when it does not speculate."""
+        sr = self.requests.get(req.request_id)
+        if sr is None:
             return None
-        accepted = st.accepted
-        if self._round is not None and self._round[0] == req.request_id:
-            _, a, before = self._round
-            accepted -= a - min(a, len(req.output_token_ids) - before)
-        return SpecStats(st.proposed, accepted, st.verify_steps)
+        st = sr.policy
+        return SpecStats(st.proposed, st.accepted, st.verify_steps)
 
     def release(self, req: Request) -> None:
         """The target's blocks of ``req`` were freed (finished, aborted, failed, preempted):
         its drafts and the proposer's state go too; its counters stay until :meth:`forget`."""
-        self.drafts.pop(req.request_id, None)
-        self.deferred.pop(req.request_id, None)
+        sr = self.requests.get(req.request_id)
+        if sr is not None:
+            sr.drafts, sr.q, sr.deferred_k = [], None, None
         self.proposer.release(req)
 
     def forget(self, req: Request) -> None:
         """``req``'s final output is built: drop its state."""
         self.release(req)
-        self.states.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
 
     def draft_tokens(self, req: Request) -> list[int]:
         """This step's drafts of ``req`` (the target verifies them after its last token)."""
-        return self.drafts.get(req.request_id, [])
+        sr = self.requests.get(req.request_id)
+        return [] if sr is None else sr.drafts
 
     # ------------------------------------------------------------------ plan
 
-    def lookahead(self, num_running: int) -> Callable[[Request, int], int] | None:
-        """The scheduler's ``lookahead`` for this step; None when drafting cannot pay at this
-        batch size (the per-request decisions are skipped) or when the policy wants a plain
-        step timed."""
-        self.behind = {}
-        if not self.policy.may_pay(num_running, self.adaptive):
-            return None
-        if self.adaptive and self.policy.measure_plain(num_running):
-            return None  # a plain step, timed: what speculation is weighed against
-        return self._lookahead
+    def plan(self, running: Sequence[Request]) -> SpecPlan:
+        """Before scheduling: the draft positions each decoding request of ``running`` wants.
+        Empty when drafting cannot pay at this batch size or the policy wants a plain step timed."""
+        plan = SpecPlan()
+        n = len(running)
+        if not self.policy.may_pay(n, self.adaptive) or (self.adaptive and self.policy.measure_plain(n)):
+            return plan
+        for req in running:
+            sr = self.requests.get(req.request_id)
+            if sr is None or req.num_uncomputed_tokens != 1:
+                continue
+            sr.drafts, sr.q = [], None
+            if sr.policy.limit == 0:
+                continue
+            try:
+                k = self._plan_one(req, sr, n)
+            except Exception as e:
+                if is_step_fatal(e):
+                    raise
+                plan.failed.append(Failure(req, e))
+                continue
+            if k < 0:
+                plan.behind.append(req)
+            elif k > 0:
+                plan.draft_k[req.request_id] = k
+        return plan
 
-    def _lookahead(self, req: Request, batch_size: int) -> int:
-        """Draft positions ``req`` (decoding) gets this step: the policy's k within what is left
-        of its max_tokens and the context, and what the proposer can offer. An error of the
-        request's own is kept in ``doomed`` (the engine finishes it after scheduling)."""
-        self.drafts.pop(req.request_id, None)
-        st = self.states.get(req.request_id)
-        if st is None or st.limit == 0:
+    def _plan_one(self, req: Request, sr: SpecRequest, batch_size: int) -> int:
+        """Draft positions ``req`` wants: the policy's k within what is left of its max_tokens
+        and the context, and what the proposer can offer; -1: the proposer must catch up first."""
+        st = sr.policy
+        if not self.proposer.can_draft(req):
+            st.cap = st.limit = 0  # tokens the proposer cannot read: not speculated any more
+            self.proposer.release(req)
             return 0
-        try:
-            if not self.proposer.can_draft(req):
-                st.cap = st.limit = 0  # tokens the proposer cannot read: not speculated any more
-                self.proposer.release(req)
-                return 0
-            room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
-            k = self.deferred.pop(req.request_id, None)  # decided while catching up: the policy is not asked twice
-            if k is None:
-                k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
-            k = min(k, room)
-            if k > 0 and self.proposer.backlog(req) > MAX_INLINE_BACKLOG:
-                self.behind[req.request_id] = req  # no drafts until the proposer has caught up
-                self.deferred[req.request_id] = k
-                return 0
-            return self.proposer.plan(req, k) if k > 0 else 0
-        except Exception as e:
-            if self.is_fatal(e):
-                raise
-            self.doomed.append((req, e))
-            return 0
+        room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+        k, sr.deferred_k = sr.deferred_k, None  # decided while catching up: the policy is not asked twice
+        if k is None:
+            k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
+        k = min(k, room)
+        if k > 0 and self.proposer.backlog(req) > MAX_INLINE_BACKLOG:
+            sr.deferred_k = k  # no drafts until the proposer has caught up
+            return -1
+        return self.proposer.plan(req, k) if k > 0 else 0
 
     # ------------------------------------------------------------------ catch up
 
-    def catch_up(self, budget: int, fail: Fail) -> None:
-        """Let the proposer read the unread tokens of the requests it lags behind (``behind``,
-        oldest first), at most ``budget`` tokens in all: what the step's token budget has left
-        after the target's tokens and the drafts. The rest waits for the next steps; meanwhile
-        those requests decode plainly. When the batch fails, each request catches up alone and
-        those that still fail are finished."""
-        reqs, ns = [], []
-        for r in self.behind.values():
+    def catch_up(self, behind: Sequence[Request], budget: int) -> list[Failure]:
+        """Let the proposer read the unread tokens of the requests it lags behind (oldest
+        first), at most ``budget`` tokens in all: what the step's token budget has left after
+        the target's tokens and the drafts. The rest waits for the next steps; meanwhile those
+        requests decode plainly."""
+        work: list[tuple[Request, int]] = []
+        for r in behind:
             if budget <= 0:
                 break
-            if r.is_finished:
-                continue
             n = min(self.proposer.backlog(r), budget)
             if n > 0:
-                reqs.append(r)
-                ns.append(n)
+                work.append((r, n))
                 budget -= n
-        self.behind = {}
-        if not reqs:
-            return
-        try:
-            self.proposer.catch_up(reqs, ns)
-            return
-        except Exception as e:
-            if self.is_fatal(e):
-                raise
-            log.warning("catch-up failed for the batch; isolating", error=repr(e), requests=len(reqs))
-        for r, n in zip(reqs, ns, strict=True):
-            self.proposer.release(r)  # whatever the failed batch left behind: start over from nothing
-            try:
-                self.proposer.catch_up([r], [n])
-            except Exception as e:
-                if self.is_fatal(e):
-                    raise
-                fail(r, e)
+
+        def run(items: Sequence[tuple[Request, int]]) -> list[None]:
+            self.proposer.catch_up([r for r, _ in items], [n for _, n in items])
+            return [None] * len(items)
+
+        _, failed = contain(work, run, lambda w: w[0], "catch-up", reset=lambda w: self.proposer.release(w[0]))
+        return failed
 
     # ------------------------------------------------------------------ propose
 
-    def propose(self, spec: list[ScheduledRequest], fail: Fail) -> dict[str, torch.Tensor | None]:
-        """Drafts for the requests verifying this step; per request id its q ([k, vocab]) or
-        None (q one-hot at the drafts). When the batch fails, each request proposes alone from
-        a clean state, and those that still fail are finished with their error."""
-        try:
-            return self._propose(spec)
-        except Exception as e:
-            if self.is_fatal(e):
-                raise
-            log.warning("proposal failed for the batch; isolating", error=repr(e), requests=len(spec))
-        out: dict[str, torch.Tensor | None] = {}
-        for s in spec:
-            self.proposer.release(s.request)  # whatever the failed batch left behind
-            try:
-                out.update(self._propose([s]))
-            except Exception as e:
-                if self.is_fatal(e):
-                    raise
-                fail(s.request, e)
-        return out
+    def propose(self, verifying: Sequence[ScheduledRequest]) -> list[Failure]:
+        """Drafts for the requests verifying this step, kept in their records (with q, the
+        draft distributions, or None: one-hot at the drafts)."""
+        done, failed = contain(
+            verifying, self._propose, lambda s: s.request, "proposal", reset=lambda s: self.proposer.release(s.request)
+        )
+        for s, (drafts, q) in done:
+            sr = self.requests[s.request.request_id]
+            sr.drafts, sr.q = drafts, q
+        return failed
 
-    def _propose(self, spec: list[ScheduledRequest]) -> dict[str, torch.Tensor | None]:
+    def _propose(self, spec: Sequence[ScheduledRequest]) -> list[tuple[list[int], torch.Tensor | None]]:
         ks = [s.num_draft_tokens for s in spec]
         prop = self.proposer.propose([s.request for s in spec], ks)
-        for s, d in zip(spec, prop.token_ids, strict=True):
-            self.drafts[s.request.request_id] = d
         if prop.step_seconds is not None:
             self.policy.costs.record_draft(prop.step_batch, prop.step_seconds)
         self.totals["draft_seconds"] += prop.seconds
-        qs = [None] * len(spec) if prop.probs is None else list(prop.probs.split(ks))
-        return {s.request.request_id: q for s, q in zip(spec, qs, strict=True)}
+        qs: list[torch.Tensor | None] = [None] * len(spec) if prop.probs is None else list(prop.probs.split(ks))
+        return list(zip(prop.token_ids, qs, strict=True))
 
-    # ------------------------------------------------------------------ verify, accept, roll back
+    # ------------------------------------------------------------------ verify, settle
 
     def verify(
         self,
         logits: torch.Tensor,  # [sum of num_logits, vocab]
-        verify: list[tuple[ScheduledRequest, int]],  # (request, its first logits row)
-        draft_q: dict[str, torch.Tensor | None],
-        emit: Emit,
-        fail: Fail,
-    ) -> tuple[int, int]:
-        """Rejection-sample the drafts against the target's distributions, emit the tokens and
-        roll back what was rejected; returns (drafts verified, accepted). When the batch fails,
-        each request is verified alone and those that still fail are finished."""
-        try:
-            results = self._verify_batch(logits, verify, draft_q)
-        except Exception as e:
-            if self.is_fatal(e):
-                raise
-            log.warning("verification failed for the batch; isolating", error=repr(e), requests=len(verify))
-            results = []
-            for item in verify:
-                try:
-                    results.extend(self._verify_batch(logits, [item], draft_q))
-                except Exception as e1:
-                    if self.is_fatal(e1):
-                        raise
-                    fail(item[0].request, e1)
-        proposed = accepted = 0
-        for s, toks, a, lps in results:
-            r, k = s.request, s.num_draft_tokens
-            try:
-                reached = self._accept(r, k, a, toks, lps, emit)
-            except Exception as e:
-                if self.is_fatal(e):
-                    raise
-                fail(r, e)
-                continue
-            proposed += k
-            accepted += reached
-        self.totals["proposed"] += proposed
-        self.totals["accepted"] += accepted
-        self.totals["verify_steps"] += len(results)
-        return proposed, accepted
+        verify: Sequence[tuple[ScheduledRequest, int]],  # (request, its first logits row)
+    ) -> tuple[list[Verified], list[Failure]]:
+        """Rejection-sample the drafts against the target's distributions: the tokens each
+        request gets. Touches no request."""
+        done, failed = contain(
+            verify, lambda items: self._verify_batch(logits, items), lambda v: v[0].request, "verification"
+        )
+        return [v for _, v in done], failed
 
-    def _accept(self, r: Request, k: int, a: int, toks: list[int], lps: list[TokenLogprobs | None], emit: Emit) -> int:
-        """Emit the round's tokens and roll back; returns the accepted drafts that reached the
-        output (fewer than ``a`` when the request finished inside the accepted run: a stop
-        token, a stop string, max_tokens). The policy learns from ``a``, the draft's real
-        agreement; the request's counters count only what reached the output."""
-        st = self.states[r.request_id]
-        self.policy.update(st, k, a)
-        num_tokens_before = r.num_tokens
-        r.num_computed_tokens += 1 + a  # the token verified plus the accepted drafts; the last emitted one is new
-        self.drafts.pop(r.request_id, None)
-        self._round = (r.request_id, a, len(r.output_token_ids))  # stats() counts what is emitted
-        try:
-            delta = emit(r, toks, lps)
-        finally:
-            self._round = None
-        if delta is None:  # the request failed on its own: its counters no longer matter
-            return 0
-        reached = min(a, len(delta.token_ids))
-        st.accepted -= a - reached
-        if not delta.finished:
-            self.blocks.shrink(r.block_table, r.num_tokens)  # rejected positions' blocks go back
-            self.proposer.settle(r, num_tokens_before, k, a)
+    def settle(self, v: Verified, kept: int, finished: bool) -> int:
+        """After the output processor kept ``kept`` of the round's tokens: the policy learns
+        from the draft's real agreement, the request's counters count only the accepted drafts
+        that reached the output (fewer when it finished inside the accepted run: a stop token, a
+        stop string, max_tokens), and the proposer keeps the accepted prefix. Returns those
+        accepted drafts that reached the output."""
+        r, k, a = v.request, v.num_drafts, v.num_accepted
+        sr = self.requests[r.request_id]
+        self.policy.update(sr.policy, k, a)
+        reached = min(a, kept)
+        sr.policy.accepted -= a - reached
+        sr.drafts, sr.q = [], None
+        if not finished:
+            self.proposer.settle(r, v.num_tokens_before, k, a)
+        self.totals["proposed"] += k
+        self.totals["accepted"] += reached
+        self.totals["verify_steps"] += 1
         return reached
+
+    def record_target_step(self, num_tokens: int, seconds: float) -> None:
+        """A pure decode/verify step's cost (forward, sampling or verification, outputs), for
+        the policy's cost model; the proposer's share is recorded when it proposes."""
+        self.policy.costs.record_target(num_tokens, seconds)
 
     def _verify_batch(
         self,
         logits: torch.Tensor,  # [sum of num_logits, vocab]
-        verify: list[tuple[ScheduledRequest, int]],
-        draft_q: dict[str, torch.Tensor | None],
-    ) -> list[tuple[ScheduledRequest, list[int], int, list[TokenLogprobs | None]]]:
-        """(request, tokens, accepted, logprobs) for each of ``verify``; touches no request."""
+        verify: Sequence[tuple[ScheduledRequest, int]],
+    ) -> list[Verified]:
         idx: list[int] = []
         rows: list[SamplingRow] = []
-        drafts = [self.drafts[s.request.request_id] for s, _ in verify]
+        recs = [self.requests[s.request.request_id] for s, _ in verify]
+        drafts = [sr.drafts for sr in recs]
         for (s, first), d in zip(verify, drafts, strict=True):
             r, k = s.request, s.num_draft_tokens
             idx.extend(range(first, first + k + 1))
@@ -378,7 +328,7 @@ class SpecDecoder:
         res = rejection_sample(
             p,
             drafts,
-            _stack_q([draft_q.get(r.request_id) for r in reqs], drafts, p),
+            _stack_q([sr.q for sr in recs], drafts, p),
             [r.sampling_params.is_greedy for r in reqs],
             [r.seed for r in reqs],
             [r.num_tokens for r in reqs],  # the position of each request's first draft
@@ -396,23 +346,21 @@ class SpecDecoder:
                     torch.tensor(toks, device=p.device),
                 )
             base += k + 1
-            out.append((s, toks, a, lps))
+            out.append(Verified(r, toks, lps, k, a, r.num_tokens))
         return out
 
     # ------------------------------------------------------------------ checks
 
     def check(self, reqs: Sequence[Request]) -> None:
         """Speculation state only for unfinished requests; the proposer's consistent."""
-        ids = {r.request_id for r in reqs}
-        stray = (set(self.states) | set(self.drafts) | set(self.deferred)) - ids
+        stray = set(self.requests) - {r.request_id for r in reqs}
         if stray:
             raise AssertionError(f"speculation state kept for requests that are gone: {sorted(stray)}")
         self.proposer.check(reqs)
 
     def check_idle(self) -> None:
-        left = set(self.states) | set(self.drafts) | set(self.deferred)
-        if left:
-            raise AssertionError(f"speculation state left: {sorted(left)}")
+        if self.requests:
+            raise AssertionError(f"speculation state left: {sorted(self.requests)}")
         self.proposer.check_idle()
 
 

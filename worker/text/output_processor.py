@@ -7,14 +7,16 @@ max_tokens or the end of the context. It turns tokens into :class:`RequestDelta`
 parameters besides: nothing in it touches the model, the KV cache or the scheduler, so it can
 later move off the engine thread (the engine then hands it tokens and takes deltas back).
 
-Finishing is reported to the engine through ``on_finish(request, reason, stop_reason)``; the
-engine frees the request's blocks there.
+It returns data and calls nothing back: :meth:`OutputProcessor.append` says what it kept and
+whether (and why) the request is finished (:class:`Finish`); the engine finishes the request
+and frees its blocks, then asks for the delta (:meth:`OutputProcessor.delta`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats
 from draftwise.worker.engine.request import FinishReason, Request
@@ -23,22 +25,34 @@ from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.detokenizer import IncrementalDetokenizer
 from draftwise.worker.text.tokenizer import Tokenizer
 
-__all__ = ["OutputProcessor"]
+__all__ = ["Appended", "Finish", "OutputProcessor"]
 
-OnFinish = Callable[[Request, FinishReason, "str | int | None"], None]
-SpecStatsOf = Callable[[Request], "SpecStats | None"]
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a request is finished."""
+
+    reason: FinishReason
+    stop_reason: str | int | None = None  # the stop string or stop token id
+
+
+@dataclass(frozen=True)
+class Appended:
+    """What :meth:`OutputProcessor.append` kept of a step's tokens for one request."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None  # per kept token, when the request asks for logprobs
+    first_token_index: int  # output index of the first kept token
+    text: str  # text released by them
+    finish: Finish | None  # set when a finish condition was met (the tokens after it were dropped)
 
 
 class OutputProcessor:
     """Detokenization, stop checks and finishing for every request of one engine."""
 
-    def __init__(
-        self, tokenizer: Tokenizer | None, max_model_len: int, on_finish: OnFinish, spec_stats: SpecStatsOf
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.on_finish = on_finish
-        self.spec_stats = spec_stats
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its text state
 
     def add(self, req_id: str, prompt_ids: list[int], params: SamplingParams, continuation: Sequence[int]) -> None:
@@ -69,14 +83,26 @@ class OutputProcessor:
     def forget(self, req: Request) -> None:
         self.detokenizers.pop(req.request_id, None)
 
-    def append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> RequestDelta:
+    def append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> Appended:
         """Add sampled tokens to ``req`` one at a time, stopping at the first finish condition
-        (the tokens after it are dropped); the delta reports what was kept."""
+        (the tokens after it are dropped). Returns what was kept and, when a finish condition
+        was met, why; finishing the request is the engine's. On an error, ``req``'s output is
+        as it was before the call."""
+        sent = len(req.output_token_ids)
+        try:
+            return self._append(req, tokens, logprobs)
+        except BaseException:
+            del req.output_token_ids[sent:]
+            del req.output_logprobs[sent:]
+            raise
+
+    def _append(self, req: Request, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> Appended:
         params = req.sampling_params
         first = len(req.output_token_ids)
         new: list[int] = []
         new_lp: list[TokenLogprobs | None] = []
         text: list[str] = []
+        finish: Finish | None = None
         detok = self.detokenizers.get(req.request_id)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -90,45 +116,52 @@ class OutputProcessor:
                 # the stop token's id is reported; its text is not
                 if detok is not None:
                     text.append(detok.flush())
-                self.on_finish(req, FinishReason.STOP, tok if tok in params.stop_token_ids else None)
+                finish = Finish(FinishReason.STOP, tok if tok in params.stop_token_ids else None)
                 break
             if detok is not None:
                 d = detok.add_tokens([tok])
                 text.append(d.text)
                 if d.stop_matched is not None:
-                    self.on_finish(req, FinishReason.STOP, d.stop_matched)
+                    finish = Finish(FinishReason.STOP, d.stop_matched)
                     break
             if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 if detok is not None:
                     text.append(detok.flush())
-                self.on_finish(req, FinishReason.LENGTH, None)
+                finish = Finish(FinishReason.LENGTH, None)
                 break
+        return Appended(new, new_lp if params.logprobs is not None else None, first, "".join(text), finish)
+
+    def delta(self, req: Request, app: Appended, spec: SpecStats | None) -> RequestDelta:
+        """What the caller sees of ``app`` (after the engine finished ``req`` when ``app`` says
+        so: the delta then carries the final output)."""
+        first = app.first_token_index
         return RequestDelta(
             request_id=req.request_id,
-            token_ids=new,
+            token_ids=app.token_ids,
             first_token_index=first,
-            text="".join(text),
-            logprobs=new_lp if params.logprobs is not None else None,
+            text=app.text,
+            logprobs=app.logprobs,
             finished=req.is_finished,
             finish_reason=None if req.finish_reason is None else req.finish_reason.value,
             stop_reason=req.stop_reason,
-            spec=self.spec_stats(req),
+            spec=spec,
             num_prompt_tokens=req.num_prompt_tokens if first == 0 else None,
             queue_time=(
                 req.first_scheduled_time - req.arrival_time
                 if first == 0 and req.first_scheduled_time is not None
                 else None
             ),
+            final=self.final(req, spec=spec) if req.is_finished else None,
         )
 
-    def final(self, req: Request, error: str | None = None) -> RequestOutput:
+    def final(self, req: Request, error: str | None = None, spec: SpecStats | None = None) -> RequestOutput:
         """The whole output of a finished request."""
-        return RequestOutput.of(req, self.text(req), self.spec_stats(req), error=error)
+        return RequestOutput.of(req, self.text(req), spec, error=error)
 
-    def closing_delta(self, req: Request, error: str | None = None) -> RequestDelta:
+    def closing_delta(self, req: Request, spec: SpecStats | None, error: str | None = None) -> RequestDelta:
         """The last delta of a request finished without new tokens (aborted, or failed with
         ``error``), carrying its final output."""
-        final = self.final(req, error)
+        final = self.final(req, error, spec)
         return RequestDelta(
             request_id=req.request_id,
             token_ids=[],
@@ -138,6 +171,6 @@ class OutputProcessor:
             finished=True,
             finish_reason=None if req.finish_reason is None else req.finish_reason.value,
             final=final,
-            spec=self.spec_stats(req) if error is not None else None,
+            spec=spec if error is not None else None,
             error=error,
         )
