@@ -66,8 +66,7 @@ def contain(
     reset: Callable[[T], None] | None = None,
 ) -> tuple[list[tuple[T, R]], list[Failure]]:
     """``run(items)`` (one result per item, in order), contained: when the batch fails, each
-    item runs alone (after ``reset(item)``: whatever the failed batch left behind goes) and
-    those that still fail come back as failures. A step-wide error is raised, never contained."""
+    item runs alone (:func:`isolate`). A step-wide error is raised, never contained."""
     if not items:
         return [], []
     try:
@@ -76,6 +75,17 @@ def contain(
         if is_step_fatal(e):
             raise
         log.warning(f"{what} failed for the batch; isolating", error=repr(e), items=len(items))
+    return isolate(items, run, request_of, reset)
+
+
+def isolate(
+    items: Sequence[T],
+    run: Callable[[Sequence[T]], list[R]],
+    request_of: Callable[[T], Request],
+    reset: Callable[[T], None] | None = None,
+) -> tuple[list[tuple[T, R]], list[Failure]]:
+    """After a batch failed: ``run([item])`` for each item alone (after ``reset(item)``:
+    whatever the failed batch left behind goes); those that still fail come back as failures."""
     done: list[tuple[T, R]] = []
     failed: list[Failure] = []
     for item in items:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftwise.worker.engine.config import EngineConfig
-from draftwise.worker.engine.containment import Failure, contain, is_step_fatal
+from draftwise.worker.engine.containment import Failure, contain, contain_each
 from draftwise.worker.engine.continuation import add_spec_counters
 from draftwise.worker.engine.outputs import SpecStats
 from draftwise.worker.engine.request import Request
@@ -188,20 +188,15 @@ class SpecDecoder:
         n = len(running)
         if not self.policy.may_pay(n, self.adaptive) or (self.adaptive and self.policy.measure_plain(n)):
             return plan
+        decoding = []
         for req in running:
             sr = self.requests.get(req.request_id)
-            if sr is None or req.num_uncomputed_tokens != 1:
-                continue
-            sr.drafts, sr.q = [], None
-            if sr.policy.limit == 0:
-                continue
-            try:
-                k = self._plan_one(req, sr, n)
-            except Exception as e:
-                if is_step_fatal(e):
-                    raise
-                plan.failed.append(Failure(req, e))
-                continue
+            if sr is not None and req.num_uncomputed_tokens == 1:
+                sr.drafts, sr.q = [], None
+                if sr.policy.limit > 0:
+                    decoding.append(req)
+        done, plan.failed = contain_each(decoding, lambda r: self._plan_one(r, self.requests[r.request_id], n), _self)
+        for req, k in done:
             if k < 0:
                 plan.behind.append(req)
             elif k > 0:
@@ -362,6 +357,10 @@ class SpecDecoder:
         if self.requests:
             raise AssertionError(f"speculation state left: {sorted(self.requests)}")
         self.proposer.check_idle()
+
+
+def _self(r: Request) -> Request:
+    return r
 
 
 def _stack_q(
