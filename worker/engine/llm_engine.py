@@ -8,11 +8,8 @@ while engine.has_unfinished_requests():
 
 from __future__ import annotations
 
-import json
-import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -22,77 +19,28 @@ from draftwise.logs import ensure_logging
 from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.containment import EngineDeadError, Failure, contain, contain_each, is_step_fatal
-from draftwise.worker.engine.continuation import check_continuation
 from draftwise.worker.engine.host_memory import retain_freed_memory
-from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats, StepOutput, StepStats
+from draftwise.worker.engine.intake import Intake
+from draftwise.worker.engine.outputs import SpecStats, StepOutput, StepStats
 from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
 from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from draftwise.worker.engine.sizing import capture_graphs, num_kv_blocks, warm_up_kernels
-from draftwise.worker.model.gguf import is_gguf_path
+from draftwise.worker.engine.sizing import batch_token_budget, capture_graphs, num_kv_blocks, warm_up_kernels
+from draftwise.worker.engine.step_data import StepReport, StepTokens, logit_rows
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel, load_model
-from draftwise.worker.model.model_config import ModelLoadError
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.paths import default_model_path
-from draftwise.worker.sampling.sampler import Sampler, TokenLogprobs
+from draftwise.worker.sampling.sampler import Sampler
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan, Verified, load_draft
+from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan, check_speculative_model, load_draft
 from draftwise.worker.speculative.draft import DraftModelProposer
-from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
+from draftwise.worker.text.chat import ChatPrompt, RenderedChat
 from draftwise.worker.text.output_processor import OutputProcessor
 from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("draftwise.engine")
 
-DEFAULT_CHUNKED_BATCH_TOKENS = 2048
-
 __all__ = ["EngineDeadError", "LLMEngine", "is_step_fatal"]
-
-
-@dataclass(frozen=True)
-class StepTokens:
-    """New tokens for one request from this step's sampling or verification."""
-
-    request: Request
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    verified: Verified | None = None  # the speculation round they come from (None: one sampled token)
-
-    @property
-    def num_accepted(self) -> int:
-        """Drafts the round accepted (0 for a sampled token)."""
-        return 0 if self.verified is None else self.verified.num_accepted
-
-
-class _Step:
-    """The deltas and final outputs one step reports, in order."""
-
-    def __init__(self, carried: _Step | None = None) -> None:
-        self.deltas: list[RequestDelta] = [] if carried is None else carried.deltas
-        self.finished: list[RequestOutput] = [] if carried is None else carried.finished
-
-    def add(self, delta: RequestDelta) -> None:
-        self.deltas.append(delta)
-        if delta.final is not None:
-            self.finished.append(delta.final)
-
-
-def logit_rows(
-    scheduled: list[ScheduledRequest],
-) -> tuple[list[tuple[Request, int]], list[tuple[ScheduledRequest, int]]]:
-    """Which logits rows are whose: (request, row) of those that sample one token, and
-    (request, first row) of those verifying drafts (read before progress moves)."""
-    plain: list[tuple[Request, int]] = []
-    verify: list[tuple[ScheduledRequest, int]] = []
-    row = 0
-    for s in scheduled:
-        if s.num_draft_tokens:
-            verify.append((s, row))
-            row += 1 + s.num_draft_tokens
-        elif s.samples:
-            plain.append((s.request, row))
-            row += 1
-    return plain, verify
 
 
 def _req(s: ScheduledRequest | StepTokens) -> Request:
@@ -107,12 +55,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.retains_freed_memory = config.retain_freed_memory and retain_freed_memory()
         folder = Path(config.model) if config.model is not None else default_model_path("target")
-        spec_model = config.speculative_model
-        if spec_model is not None and str(spec_model) != "default" and not _is_checkpoint(spec_model):
-            # before the (possibly long) target load
-            raise ModelLoadError(
-                f"speculative_model: {spec_model}: not a checkpoint folder or .gguf file (or 'default')"
-            )
+        check_speculative_model(config)  # before the (possibly long) target load
         self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
         mcfg = self.loaded.config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -120,29 +63,14 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={mcfg.max_position_embeddings}"
             )
-        self.tokenizer: Tokenizer | None = None
+        tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
-        self.eos_token_ids = _eos_ids(folder, mcfg.eos_token_ids, self.tokenizer)
-        self.chat_template = ChatTemplate(self.tokenizer) if self.tokenizer is not None else None
-        self.max_prompt_bytes: int | None = None  # text prompts longer than this cannot fit: refused untokenized
-        if self.tokenizer is not None:
-            # x2: normalizers may shrink text (NFKC), so a token can stand for more input than it decodes to
-            self.max_prompt_bytes = self.max_model_len * max(self.tokenizer.max_token_bytes(), 4) * 2
+            tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
+        self.intake = Intake(tokenizer, folder, mcfg.eos_token_ids, self.max_model_len, mcfg.vocab_size, config.seed)
+        self.tokenizer: Tokenizer | None = tokenizer
+        self.eos_token_ids = self.intake.eos_token_ids
 
-        max_batched = config.max_num_batched_tokens or (
-            DEFAULT_CHUNKED_BATCH_TOKENS if config.enable_chunked_prefill else self.max_model_len
-        )
-        if not config.enable_chunked_prefill and max_batched < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({max_batched}) must be >= max_model_len "
-                f"({self.max_model_len}) so that every prompt fits in one step"
-            )
-        if max_batched < config.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs ({config.max_num_seqs}): "
-                "every running request needs at least one token per step"
-            )
+        max_batched = batch_token_budget(config, self.max_model_len)
         draft = load_draft(config, self.loaded, self.max_model_len)
         # memory_profile: what the CUDA profile measured (None: not profiled)
         num_blocks, self.memory_profile = num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len)
@@ -179,8 +107,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._seed_rng = random.Random(config.seed)
-        self._pending = _Step()  # aborts, reported with the next step
+        self._pending = StepReport()  # aborts, reported with the next step
         self.dead: str | None = None  # why the engine stopped (EngineDeadError); None while it runs
         self.num_steps = 0
         log.info(
@@ -237,41 +164,9 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str) and prompt_token_ids is not None:  # tokenized already (encode_prompt)
-            text, ids = prompt, list(prompt_token_ids)
-        else:
-            text, ids = self._prompt_ids(prompt)
-        if not ids:
-            raise ValueError("prompt is empty after tokenization")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len} "
-                "to leave room for output"
-            )
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
-        cont = check_continuation(
-            continuation, self.loaded.config.vocab_size, len(ids), self.max_model_len, max_tokens, eos_ids, params
-        )
-        self.output.add(request_id, ids, params, cont)  # ValueError: touches nothing else
-        seed = None  # keys the request's randomness with each token's position
-        if not params.is_greedy:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=eos_ids,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            seed=seed,
-        )
-        if cont:
-            req.output_token_ids.extend(cont)
-            if params.logprobs is not None:  # not known here: the client has them already
-                req.output_logprobs.extend([None] * len(cont))
+        req = self.intake.build(request_id, prompt, params, arrival_time, prompt_token_ids, continuation)
+        self.output.add(request_id, req.prompt_token_ids, params, req.output_token_ids)  # ValueError: touches nothing
+        req.seed = self.intake.seed_for(params)
         if self.spec is not None and params.use_speculation:
             self.spec.add(req, params.max_speculative_tokens, continuation_spec)
         self.requests[request_id] = req
@@ -279,48 +174,19 @@ class LLMEngine:
         log.debug(
             "request added",
             request_id=request_id,
-            prompt_tokens=len(ids),
-            max_tokens=max_tokens,
-            continuation_tokens=len(cont),
+            prompt_tokens=req.num_prompt_tokens,
+            max_tokens=req.max_tokens,
+            continuation_tokens=len(req.output_token_ids),
         )
         return req
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Tokenize a text prompt; ValueError for one that is empty or too long. A prompt whose
-        byte length alone shows it cannot fit in max_model_len is refused without tokenizing.
-        Touches no engine state, so callers may run it off the engine thread (AsyncEngine does)."""
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
-        size = len(prompt.encode("utf-8", errors="surrogatepass"))
-        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
-            raise ValueError(
-                f"prompt is {size} bytes, more than can fit in max_model_len={self.max_model_len} tokens "
-                f"(at most {self.max_prompt_bytes} bytes of text)"
-            )
-        return self.tokenizer.encode(prompt)
+        """Tokenize a text prompt (``Intake.encode_prompt``); off-thread safe (AsyncEngine runs it there)."""
+        return self.intake.encode_prompt(prompt)
 
     def encode_chat(self, prompt: ChatPrompt) -> RenderedChat:
-        """Render chat messages with the model's chat template and tokenize them; ValueError
-        for no template, a bad conversation or one too long. Off-thread safe, as encode_prompt."""
-        if self.chat_template is None:
-            raise ValueError("chat messages need a tokenizer (the engine runs with skip_tokenizer_init)")
-        return self.chat_template.encode(prompt, self.max_model_len, self.max_prompt_bytes)
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.encode_prompt(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.loaded.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
-        return None, ids
+        """Render and tokenize chat messages (``Intake.encode_chat``); off-thread safe."""
+        return self.intake.encode_chat(prompt)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final delta comes with the next step.
@@ -364,7 +230,7 @@ class LLMEngine:
         update progress -> process outputs; finished and failed requests are freed in
         ``_finish`` (each phase returns data; nothing calls back into the engine)."""
         t0 = time.perf_counter()
-        step, self._pending = _Step(self._pending), _Step()
+        step, self._pending = StepReport(self._pending), StepReport()
         spec = self.spec
         plan = spec.plan(self.scheduler.running) if spec is not None else SpecPlan()
         self._fail(step, plan.failed)
@@ -389,7 +255,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ phases
 
-    def _draft(self, step: _Step, sched: SchedulerOutput, behind: list[Request]) -> list[ScheduledRequest]:
+    def _draft(self, step: StepReport, sched: SchedulerOutput, behind: list[Request]) -> list[ScheduledRequest]:
         """After scheduling: the proposer catches up on what it lags behind within the budget
         left, then drafts the granted positions; returns the scheduled requests still alive."""
         spec, scheduled = self.spec, sched.scheduled
@@ -404,7 +270,7 @@ class LLMEngine:
                 s.request.first_scheduled_time = now
         return alive
 
-    def _run(self, step: _Step, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
+    def _run(self, step: StepReport, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """The forward pass, contained: when it fails, each sequence runs alone to find the
         ones that fail by themselves (finished with their error), and the rest run again
         together. Rerunning is safe: a forward pass only writes KV at positions not yet counted."""
@@ -436,7 +302,7 @@ class LLMEngine:
             r.token_slice(start, start + s.num_new_tokens), start, r.block_table, 1 if s.samples else 0
         )
 
-    def _sample(self, step: _Step, logits: torch.Tensor, plain: list[tuple[Request, int]]) -> list[StepTokens]:
+    def _sample(self, step: StepReport, logits: torch.Tensor, plain: list[tuple[Request, int]]) -> list[StepTokens]:
         """One token for each request of ``plain`` (request, its logits row), contained."""
         if not plain:
             return []
@@ -456,7 +322,7 @@ class LLMEngine:
         return [t for _, t in done]
 
     def _verify(
-        self, step: _Step, logits: torch.Tensor, verify: list[tuple[ScheduledRequest, int]]
+        self, step: StepReport, logits: torch.Tensor, verify: list[tuple[ScheduledRequest, int]]
     ) -> list[StepTokens]:
         if not verify:
             return []
@@ -465,7 +331,7 @@ class LLMEngine:
         self._fail(step, failed)
         return [StepTokens(v.request, v.token_ids, v.logprobs, v) for v in verified]
 
-    def _process(self, step: _Step, results: list[StepTokens]) -> tuple[int, int]:
+    def _process(self, step: StepReport, results: list[StepTokens]) -> tuple[int, int]:
         """Append each request's new tokens through the output processor, settle speculation
         rounds, finish what is finished; returns (drafts verified, accepted that reached the
         output) for the step's stats."""
@@ -502,7 +368,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ finishing
 
-    def _fail(self, step: _Step, failures: Sequence[Failure]) -> None:
+    def _fail(self, step: StepReport, failures: Sequence[Failure]) -> None:
         """Finish each failed request because of an error of its own: its blocks go back, and
         its final delta (finish_reason "error") carries the reason. The other requests go on."""
         for f in failures:
@@ -574,26 +440,3 @@ class LLMEngine:
             self.spec.check_idle()
         if self.output.detokenizers:
             raise AssertionError(f"text state left: {sorted(self.output.detokenizers)}")
-
-
-def _is_checkpoint(path: str | Path) -> bool:
-    """A checkpoint folder, or a GGUF file (existing)."""
-    return Path(path).is_dir() or (Path(path).is_file() and is_gguf_path(path))
-
-
-def _eos_ids(folder: Path, from_config: tuple[int, ...], tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    """End-of-sequence ids: config.json, generation_config.json and the tokenizer, together."""
-    ids = set(from_config)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            eos = None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))

@@ -38,6 +38,29 @@ at most this and at most CPU_MAX_DEFAULT_KV_SHARE of the machine's memory."""
 CPU_MAX_DEFAULT_KV_SHARE = 1 / 8
 
 
+DEFAULT_CHUNKED_BATCH_TOKENS = 2048
+"""max_num_batched_tokens with chunked prefill when the config leaves it unset."""
+
+
+def batch_token_budget(config: EngineConfig, max_model_len: int) -> int:
+    """max_num_batched_tokens: the config's, or the default (2048 with chunked prefill, else
+    max_model_len); ValueError when it cannot serve every request."""
+    budget = config.max_num_batched_tokens or (
+        DEFAULT_CHUNKED_BATCH_TOKENS if config.enable_chunked_prefill else max_model_len
+    )
+    if not config.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(
+            f"without chunked prefill, max_num_batched_tokens ({budget}) must be >= max_model_len "
+            f"({max_model_len}) so that every prompt fits in one step"
+        )
+    if budget < config.max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({config.max_num_seqs}): "
+            "every running request needs at least one token per step"
+        )
+    return budget
+
+
 def num_kv_blocks(
     config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_batched: int, max_model_len: int
 ) -> tuple[int, MemoryProfile | None]:

@@ -35,6 +35,7 @@ from draftwise.worker.engine.containment import Failure, contain, contain_each
 from draftwise.worker.engine.continuation import add_spec_counters
 from draftwise.worker.engine.outputs import SpecStats
 from draftwise.worker.engine.request import Request
+from draftwise.worker.model.gguf import is_gguf_path
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_config import ModelLoadError
 from draftwise.worker.paths import default_model_path
@@ -85,6 +86,17 @@ MAX_INLINE_BACKLOG = 2
 """A proposal reads at most this many unread tokens of a request itself (steady decoding: the
 target's last token, or the last draft and the bonus token of a fully accepted round); a
 request further behind is caught up first, through the token budget (:meth:`SpecDecoder.catch_up`)."""
+
+
+def check_speculative_model(config: EngineConfig) -> None:
+    """ModelLoadError when ``config.speculative_model`` names no checkpoint folder, .gguf file
+    or "default" (checked before the target's load, which may be long)."""
+    name = config.speculative_model
+    if name is None or str(name) == "default":
+        return
+    path = Path(name)
+    if not (path.is_dir() or (path.is_file() and is_gguf_path(path))):
+        raise ModelLoadError(f"speculative_model: {name}: not a checkpoint folder or .gguf file (or 'default')")
 
 
 def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:

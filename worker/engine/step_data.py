@@ -1,0 +1,59 @@
+"""The data one engine step passes between its phases (docs/architecture.md, "The step"):
+the new tokens of each request, the report of deltas and final outputs, and which logits rows
+are whose."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftwise.worker.engine.outputs import RequestDelta, RequestOutput
+from draftwise.worker.engine.request import Request
+from draftwise.worker.engine.scheduler import ScheduledRequest
+from draftwise.worker.sampling.sampler import TokenLogprobs
+from draftwise.worker.speculative.decoder import Verified
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """New tokens for one request from this step's sampling or verification."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    verified: Verified | None = None  # the speculation round they come from (None: one sampled token)
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafts the round accepted (0 for a sampled token)."""
+        return 0 if self.verified is None else self.verified.num_accepted
+
+
+class StepReport:
+    """The deltas and final outputs one step reports, in order."""
+
+    def __init__(self, carried: StepReport | None = None) -> None:
+        self.deltas: list[RequestDelta] = [] if carried is None else carried.deltas
+        self.finished: list[RequestOutput] = [] if carried is None else carried.finished
+
+    def add(self, delta: RequestDelta) -> None:
+        self.deltas.append(delta)
+        if delta.final is not None:
+            self.finished.append(delta.final)
+
+
+def logit_rows(
+    scheduled: list[ScheduledRequest],
+) -> tuple[list[tuple[Request, int]], list[tuple[ScheduledRequest, int]]]:
+    """Which logits rows are whose: (request, row) of those that sample one token, and
+    (request, first row) of those verifying drafts (read before progress moves)."""
+    plain: list[tuple[Request, int]] = []
+    verify: list[tuple[ScheduledRequest, int]] = []
+    row = 0
+    for s in scheduled:
+        if s.num_draft_tokens:
+            verify.append((s, row))
+            row += 1 + s.num_draft_tokens
+        elif s.samples:
+            plain.append((s.request, row))
+            row += 1
+    return plain, verify
