@@ -126,3 +126,14 @@ def apply_env(
 
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
     return parser
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1-65535 (or 0 for any free port)")
+    return port

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from draftwise.envflags import apply_env
+from draftwise.envflags import apply_env, port_number
 from draftwise.gateway.auth import load_api_keys
 from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.discovery import Discovery, DiscoveryConfig, dns_target, read_hosts_file
@@ -27,17 +27,6 @@ log = structlog.get_logger("draftwise.gateway")
 
 API_KEYS_ENV = "DRAFTWISE_API_KEYS"
 """Environment variable read for API keys (comma or whitespace separated), unless --api-keys-env says another."""
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 0 (any free one) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1-65535 (or 0 for any free port)")
-    return port
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:

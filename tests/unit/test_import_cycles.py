@@ -1,18 +1,28 @@
-"""No import cycles between the product's modules: every ``import``/``from ... import`` at
-module level (type-checking-only imports included; imports inside functions are lazy by
-design and not counted) forms an acyclic graph."""
+"""The product's import structure, read from the source with the package map of
+``pyproject.toml``:
+
+- no import cycles: every ``import``/``from ... import`` at module level (type-checking-only
+  imports included; imports inside functions are lazy by design and not counted) forms an
+  acyclic graph;
+- layers: every import, inside functions too, keeps the worker off the gateway, the gateway off
+  the worker and torch, and the kernels off both."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-FOLDERS = {
-    "common": "draftwise",
-    "worker": "draftwise.worker",
-    "gateway": "draftwise.gateway",
-    "kernels": "draftwise.kernels",
+PACKAGE_DIRS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+    "package-dir"
+]  # import name -> folder
+TOP = {"draftwise", "draftwise.worker", "draftwise.gateway", "draftwise.kernels"}
+FOLDERS = {folder: name for name, folder in PACKAGE_DIRS.items() if name in TOP}
+LAYERS = {  # importer prefix -> prefixes it must never import
+    "draftwise.worker": ("draftwise.gateway",),
+    "draftwise.gateway": ("draftwise.worker", "torch"),
+    "draftwise.kernels": ("draftwise.worker", "draftwise.gateway"),
 }
 
 
@@ -44,23 +54,41 @@ def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
     return found
 
 
+def _targets(node: ast.Import | ast.ImportFrom, package: str, mods: dict[str, Path]) -> list[str]:
+    """The modules (or names) an import statement reads, relative imports resolved."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+
+
+def _package(mod: str, path: Path) -> str:
+    return mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+
+
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in _top_level_imports(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(
-                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
-                    )
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            graph[mod].update(t for t in targets if t in mods and t != mod)
+            assert isinstance(node, ast.Import | ast.ImportFrom)
+            graph[mod].update(t for t in _targets(node, _package(mod, path), mods) if t in mods and t != mod)
     return graph
+
+
+def _layer_violations(sources: dict[str, tuple[Path, str]], mods: dict[str, Path]) -> list[str]:
+    """Every import anywhere in a module (functions included) that crosses a layer."""
+    out = []
+    for mod, (path, text) in sources.items():
+        banned = next((b for prefix, b in LAYERS.items() if mod == prefix or mod.startswith(prefix + ".")), ())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for t in _targets(node, _package(mod, path), mods):
+                    if any(t == b or t.startswith(b + ".") for b in banned):
+                        out.append(f"{mod}:{node.lineno} imports {t}")
+    return out
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -97,3 +125,33 @@ def test_the_graph_is_real():
 def test_no_import_cycles():
     cycle = _cycle(_graph())
     assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_package_map_is_pyprojects():
+    assert FOLDERS == {
+        "common": "draftwise",
+        "worker": "draftwise.worker",
+        "gateway": "draftwise.gateway",
+        "kernels": "draftwise.kernels",
+    }
+    assert len(_modules()) > 80
+
+
+def test_no_import_crosses_a_layer():
+    mods = _modules()
+    found = _layer_violations({m: (p, p.read_text()) for m, p in mods.items()}, mods)
+    assert not found, found
+
+
+def test_a_planted_function_level_import_across_layers_is_found():
+    mods = _modules()
+    path = ROOT / "worker" / "serving" / "planted.py"
+    planted = "def build():\n    from draftwise.gateway.main import add_gateway_args\n    return add_gateway_args\n"
+    found = _layer_violations({"draftwise.worker.serving.planted": (path, planted)}, mods)
+    assert found == ["draftwise.worker.serving.planted:2 imports draftwise.gateway.main"], found
+    relative = "def f():\n    from ...gateway import relay\n"
+    found = _layer_violations({"draftwise.worker.serving.planted": (path, relative)}, mods)
+    assert found == ["draftwise.worker.serving.planted:2 imports draftwise.gateway.relay"], found
+    torch_in_gateway = "import os\ndef f():\n    import torch.nn\n"
+    found = _layer_violations({"draftwise.gateway.planted": (ROOT / "gateway" / "planted.py", torch_in_gateway)}, mods)
+    assert found == ["draftwise.gateway.planted:3 imports torch.nn"], found

@@ -74,7 +74,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draftwise-engine", daemon=True)
         self.dead: str | None = None  # why the loop ended; None while it runs
-        self.last_stats = None
 
     def start(self) -> None:
         self._thread.start()
@@ -225,7 +224,6 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 out = self.engine.step()
-                self.last_stats = out.stats
                 # one wake-up per event loop per step, however many streams it serves
                 batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta | BaseException]]] = {}
                 for d in out.deltas:

@@ -34,7 +34,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from draftwise.envflags import apply_env
+from draftwise.envflags import apply_env, port_number
 from draftwise.hop import InternalSecretInterceptor, read_secret_file
 from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
@@ -291,8 +291,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "python -m draftwise.worker.serving.server") -> argparse.ArgumentParser:
     """The worker's flags (``draftwise worker``), each also read from ``DRAFTWISE_<FLAG>``."""
-    from draftwise.gateway.main import port_number
-
     p = argparse.ArgumentParser(prog=prog, description="a draftwise worker process (WorkerService)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument(
