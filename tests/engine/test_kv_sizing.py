@@ -19,7 +19,22 @@ def test_small_configuration_gets_a_small_cache():
 
 def test_a_draft_shares_the_budget_and_gets_as_many_blocks():
     engine = LLMEngine(EngineConfig(max_model_len=128, max_num_seqs=2, speculative_model="default"))
-    assert engine.blocks.num_free_blocks == 2 * 128 // 16
+    n = 2 * 128 // 16
+    draft = engine.proposer
+    assert draft is not None
+    assert engine.blocks.num_free_blocks == n
+    assert draft.blocks.num_blocks == draft.blocks.num_free_blocks == draft.kv_cache.num_blocks == n
+    per_target = bytes_per_block(engine.loaded.config, 16, engine.loaded.dtype)
+    per_draft = bytes_per_block(draft.loaded.config, 16, draft.loaded.dtype)
+    assert engine.kv_cache.num_bytes == n * per_target and draft.kv_cache.num_bytes == n * per_draft
+    # an explicit budget pays for both pools: as many blocks each, out of the one figure
+    budget = 50 * (per_target + per_draft) + per_target  # a target block more, not a pair
+    shared = LLMEngine(
+        EngineConfig(max_model_len=128, max_num_seqs=2, speculative_model="default", kv_cache_memory_bytes=budget)
+    )
+    assert shared.proposer is not None
+    assert shared.blocks.num_blocks == shared.proposer.blocks.num_blocks == shared.proposer.kv_cache.num_blocks == 50
+    assert shared.kv_cache.num_bytes + shared.proposer.kv_cache.num_bytes <= budget
 
 
 def test_the_default_is_capped_and_never_below_one_full_sequence():

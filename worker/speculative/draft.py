@@ -86,10 +86,6 @@ class DraftModelProposer(Proposer):
         self.device = loaded.device
         self.kv: dict[str, DraftKV] = {}  # request id -> its draft KV (requests that were proposed for)
 
-    @property
-    def max_positions(self) -> int:
-        return self.loaded.config.max_position_embeddings
-
     def can_draft(self, req: Request) -> bool:
         """Whether the draft can read every token of ``req``: a draft with a smaller vocabulary
         than the target's cannot embed ids beyond its own (possible in token-id prompts, or
