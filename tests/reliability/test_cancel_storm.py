@@ -59,6 +59,20 @@ ALLOWED = {
     "disconnect_channel": {CANCELLED, OK},
 }
 """Mode -> the outcomes a request may see (OK: it finished before it was cut)."""
+CUT = {
+    "cancel_immediate": {ABORT},
+    "cancel_delay": {ABORT},
+    "cancel_after_tokens": {ABORT},
+    "deadline": {DE, RST_STREAM},
+    "disconnect_call": {CANCELLED},
+    "disconnect_stream": {CANCELLED},
+    "disconnect_channel": {CANCELLED},
+}
+"""Mode -> the outcomes of a request that was really cut. OK is allowed (a request may finish
+before its cut arrives) but must stay rare: with max_tokens far above the cut points, at least
+MIN_CUT of each mode's requests must see their cut (all of them did in the recorded runs), so a
+gateway that ignored cancels, deadlines or disconnects fails."""
+MIN_CUT = 0.8
 
 
 @dataclass
@@ -329,6 +343,27 @@ async def storm(stack: Stack, units: list[Unit]) -> tuple[list[tuple[str, str]],
     return [x for xs in done for x in xs], dict(peak), took
 
 
+def cut_shortfall(counts: Counter) -> dict[str, tuple[int, int]]:
+    """Modes fewer than MIN_CUT of whose requests saw their cut: mode -> (cut, requests)."""
+    out = {}
+    for mode, outcomes in CUT.items():
+        n = sum(v for (m, _), v in counts.items() if m == mode)
+        cut = sum(v for (m, got), v in counts.items() if m == mode and got in outcomes)
+        if n and cut < MIN_CUT * n:
+            out[mode] = (cut, n)
+    return out
+
+
+def test_a_gateway_that_ignored_cancels_would_fail() -> None:
+    """The check above on outcomes such a gateway gives (every cancelled request runs to OK),
+    and on the recorded ones."""
+    ignored = Counter({("cancel_delay", OK): 194, ("cancel_after_tokens", OK): 200, ("cancel_after_tokens", ABORT): 10})
+    assert cut_shortfall(ignored) == {"cancel_delay": (0, 194), "cancel_after_tokens": (10, 210)}
+    recorded = Counter({("cancel_delay", ABORT): 194, ("deadline", DE): 94, ("disconnect_call", CANCELLED): 60})
+    recorded[("disconnect_call", OK)] = 4
+    assert cut_shortfall(recorded) == {}
+
+
 def test_cancel_storm_leaves_no_blocks_and_no_dead_workers(stack: Stack) -> None:
     units = build_units(random.Random(SEED))
     results, peak, took = asyncio.run(storm(stack, units))
@@ -346,6 +381,8 @@ def test_cancel_storm_leaves_no_blocks_and_no_dead_workers(stack: Stack) -> None
     print(survival)
     assert n_requests == N_REQUESTS
     assert not bad, f"outcomes outside the allowed ones: {bad}"
+    uncut = cut_shortfall(counts)
+    assert not uncut, f"modes whose requests were mostly not cut (cut, of): {uncut}"
     assert idle is not None, survival
     wrong = {k: n for k, n in USAGE.items() if "wrong" in k}
     assert not wrong, f"finished events whose usage.prompt_tokens is not the prompt's length: {wrong}"
