@@ -81,11 +81,11 @@ def test_killed_workers(cluster):
             health_one_left = await _health(gateway.address)
             survivor.kill()
             await _wait_health(gateway.address, health_pb2.HealthCheckResponse.NOT_SERVING)
+            none_left, none_left_msg = grpc.StatusCode.OK, "a request was served with no worker left"
             try:
                 await stub.GenerateStream(gspb.GenerateStreamRequest(start=start("", max_tokens=3)), timeout=10).read()
-                none_left = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as e:
-                none_left, none_left_msg = e.code(), e.details()
+                none_left, none_left_msg = e.code(), e.details() or ""
             return results, code, after, single, health_one_left, none_left, none_left_msg
 
     results, code, after, single, health_one_left, none_left, none_left_msg = asyncio.run(main())
@@ -96,4 +96,4 @@ def test_killed_workers(cluster):
     assert all(r.finish_reason == pb.FINISH_REASON_LENGTH for r in after.values())
     assert single[-1].event.WhichOneof("kind") == "finished"
     assert health_one_left == health_pb2.HealthCheckResponse.SERVING
-    assert none_left == grpc.StatusCode.UNAVAILABLE and "no healthy worker" in none_left_msg
+    assert none_left == grpc.StatusCode.UNAVAILABLE and "no healthy worker" in none_left_msg, (none_left, none_left_msg)
