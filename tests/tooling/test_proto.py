@@ -318,4 +318,4 @@ def test_buf_format():
     assert res.returncode == 0, "run `buf format -w` in proto/:\n" + res.stdout + res.stderr
 
 
-# `buf generate` (Python, Go and TypeScript) against the committed code: tests/unit/test_generated_clients.py
+# `buf generate` (Python, Go and TypeScript) against the committed code: tests/tooling/test_generated_clients.py
