@@ -251,3 +251,55 @@ def test_a_huge_text_prompt_is_refused_by_its_size_without_tokenizing(aengine):
         asyncio.run(main())
     finally:
         del engine.tokenizer.encode
+
+
+class _ThreadCheckedList(list):
+    """A list that records which threads asked its length."""
+
+    def __init__(self, items, readers: set[str]) -> None:
+        super().__init__(items)
+        self.readers = readers
+
+    def __len__(self) -> int:
+        self.readers.add(threading.current_thread().name)
+        return super().__len__()
+
+
+def test_get_load_reads_the_snapshot_the_engine_thread_publishes(engine):
+    """GetLoad runs on the event loop while the engine thread mutates the scheduler: it reads
+    the LoadSnapshot published between steps, never the scheduler's lists themselves."""
+    from draftwise.worker.serving.server import WorkerServicer
+
+    class Context:  # GetLoad only sets trailing metadata on its context
+        def set_trailing_metadata(self, md) -> None:
+            self.md = md
+
+    readers: set[str] = set()
+    sched = engine.scheduler
+    sched.running = _ThreadCheckedList(sched.running, readers)
+    a = AsyncEngine(engine)
+    servicer = WorkerServicer(a, "m")
+    readers.clear()  # the first snapshot is taken here, before the engine thread runs
+    a.start()
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    async def main() -> list:
+        loads = []
+        stream = a.generate("snap", "def f(x):", params)
+        async for _ in stream:
+            loads.append(await servicer.GetLoad(None, Context()))  # type: ignore[arg-type]
+        await _idle(a)
+        loads.append(await servicer.GetLoad(None, Context()))  # type: ignore[arg-type]
+        return loads
+
+    try:
+        loads = asyncio.run(main())
+        seen = set(readers)
+    finally:
+        a.shutdown()
+        sched.running = list.copy(sched.running)
+    assert seen == {"draftwise-engine"}, seen  # the event loop never read the live list
+    assert any(lo.num_requests_running == 1 for lo in loads[:-1])
+    last = loads[-1]
+    assert last.num_requests_running == last.num_requests_waiting == 0
+    assert last.num_free_kv_blocks == last.num_total_kv_blocks == engine.blocks.num_blocks

@@ -61,6 +61,17 @@ def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Requ
         loop.call_soon_threadsafe(_deliver, items)
 
 
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The engine's load as the engine thread last published it (between steps): other threads
+    read this, never the scheduler or the block pool, which the engine thread mutates."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None] | None = None) -> None:
         self.engine = engine
@@ -74,6 +85,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draftwise-engine", daemon=True)
         self.dead: str | None = None  # why the loop ended; None while it runs
+        self.load = self._snapshot()  # replaced (never mutated) by the engine thread
 
     def start(self) -> None:
         self._thread.start()
@@ -113,11 +125,17 @@ class AsyncEngine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError(f"the engine is not running: {self.dead}"))
 
+    def _snapshot(self) -> LoadSnapshot:
+        sched, blocks = self.engine.scheduler, self.engine.blocks
+        return LoadSnapshot(len(sched.running), len(sched.waiting), blocks.num_free_blocks, blocks.num_blocks)
+
     def _apply_commands(self) -> None:
+        """Run the queued commands, then publish the load they leave."""
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
+                self.load = self._snapshot()
                 return
             if not fut.set_running_or_notify_cancel():
                 continue  # its caller gave up before it ran (e.g. a request cancelled while queued)
@@ -224,6 +242,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 out = self.engine.step()
+                self.load = self._snapshot()
                 # one wake-up per event loop per step, however many streams it serves
                 batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta | BaseException]]] = {}
                 for d in out.deltas:

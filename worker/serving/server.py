@@ -159,14 +159,14 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
                 self._idle.set()
 
     async def GetLoad(self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext) -> wpb.GetLoadResponse:  # noqa: N802
-        sched = self.engine.scheduler
+        load = self.aengine.load  # published by the engine thread between steps
         context.set_trailing_metadata(self._model_metadata)
         return wpb.GetLoadResponse(
             model=self.model_name,
-            num_requests_running=len(sched.running),
-            num_requests_waiting=len(sched.waiting),
-            num_free_kv_blocks=self.engine.blocks.num_free_blocks,
-            num_total_kv_blocks=self.engine.blocks.num_blocks,
+            num_requests_running=load.num_running,
+            num_requests_waiting=load.num_waiting,
+            num_free_kv_blocks=load.num_free_blocks,
+            num_total_kv_blocks=load.num_total_blocks,
             tokens_per_second=self.tokens_per_second(),
             draining=self.draining,
         )
