@@ -102,7 +102,7 @@ def _wait_serving(channel: object, timeout: float, metadata: list[tuple[str, str
     last = "no answer"
     while True:
         try:
-            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0, metadata=metadata).status
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0, metadata=metadata).status  # pyright: ignore[reportAttributeAccessIssue]
             if status == health_pb2.HealthCheckResponse.SERVING:
                 return None
             last = f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"

@@ -110,6 +110,7 @@ def apply_env(
                     action.default = None if isinstance(action, argparse._AppendAction) else _UNSET
                     action.required = False
             ns, rest = original(args, namespace)
+            assert ns is not None  # argparse always returns a namespace
         finally:
             for name, action in actions.items():
                 action.default, action.required = saved[name]

@@ -42,7 +42,7 @@ def check(address: str, timeout: float, service: str = "", tls: bool = False, tl
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)  # pyright: ignore[reportAttributeAccessIssue]
         except grpc.RpcError as e:
             code = e.code()  # type: ignore[attr-defined]
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -33,9 +33,9 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
@@ -55,11 +55,12 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
             )
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        deserialize = handler.request_deserializer
+        deserialize: Any = handler.request_deserializer
         parse = self._parse
 
         streaming = handler.request_streaming
-        inner = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+        # Any: grpc's stubs type handlers' behaviours as sync functions; on grpc.aio they are coroutines
+        inner: Any = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
 
         async def requests(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async for data in raw:
@@ -70,15 +71,12 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
                 return requests(raw, context)
             return await parse(deserialize, raw, context, method)
 
-        if inspect.isasyncgenfunction(inner):
+        async def streamed(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in inner(await request_of(raw, context), context):
+                yield response
 
-            async def behaviour(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async for response in inner(await request_of(raw, context), context):
-                    yield response
+        async def answered(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await inner(await request_of(raw, context), context)
 
-        else:
-
-            async def behaviour(raw: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
-                return await inner(await request_of(raw, context), context)
-
+        behaviour = streamed if inspect.isasyncgenfunction(inner) else answered
         return handler_like(handler, behaviour)  # no deserializer: the bytes are parsed above

@@ -113,7 +113,7 @@ async def probe(address: str, timeout: float) -> str | None:
     """None when ``address`` answers grpc.health.v1 SERVING within ``timeout``, else why not."""
     async with grpc.aio.insecure_channel(address) as channel:
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)  # pyright: ignore[reportAttributeAccessIssue]
         except grpc.aio.AioRpcError as e:
             return f"{e.code().name}: {e.details()}"
     if reply.status != health_pb2.HealthCheckResponse.SERVING:

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TextIO
 
 import structlog
 
@@ -155,7 +156,7 @@ def _worker_procs(cfg: ServeConfig, tmp: Path, secret_file: Path) -> list[Worker
     return procs
 
 
-async def serve(cfg: ServeConfig, out: object = None) -> int:
+async def serve(cfg: ServeConfig, out: TextIO | None = None) -> int:
     """Run until Ctrl-C or SIGTERM; 0 after a clean shutdown, 1 when startup failed or no
     worker is left. Prints where it listens to ``out`` (stdout by default)."""
     stream = out if out is not None else sys.stdout

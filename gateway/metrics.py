@@ -174,6 +174,6 @@ class GatewayMetrics:
             pass
 
         Server.address_family, addr = _get_best_family(host, port)
-        server = make_server(addr, port, self.wsgi_app(), Server, handler_class=_SilentHandler)
+        server = make_server(str(addr), port, self.wsgi_app(), Server, handler_class=_SilentHandler)
         threading.Thread(target=server.serve_forever, name="draftwise-metrics", daemon=True).start()
         return server

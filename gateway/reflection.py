@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import importlib.resources
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
-from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha._async import ReflectionServicer
@@ -57,7 +57,7 @@ def v1_reflection_file() -> descriptor_pb2.FileDescriptorProto:
     return proto
 
 
-def _proto_of(module_descriptor: FileDescriptor) -> descriptor_pb2.FileDescriptorProto:
+def _proto_of(module_descriptor: Any) -> descriptor_pb2.FileDescriptorProto:  # a FileDescriptor (python or upb)
     return descriptor_pb2.FileDescriptorProto.FromString(module_descriptor.serialized_pb)
 
 
@@ -101,13 +101,25 @@ class SourceReflectionServicer(ReflectionServicer):
         return response
 
     def _file_by_filename(self, request: Request, filename: str) -> Response:
-        return self._with_source(super()._file_by_filename(request, filename))
+        return self._with_source(
+            super()._file_by_filename(  # pyright: ignore[reportAttributeAccessIssue]  (grpc_reflection's private helper)
+                request, filename
+            )
+        )
 
     def _file_containing_symbol(self, request: Request, fully_qualified_name: str) -> Response:
-        return self._with_source(super()._file_containing_symbol(request, fully_qualified_name))
+        return self._with_source(
+            super()._file_containing_symbol(  # pyright: ignore[reportAttributeAccessIssue]  (grpc_reflection's private helper)
+                request, fully_qualified_name
+            )
+        )
 
     def _file_containing_extension(self, request: Request, containing_type: str, extension_number: int) -> Response:
-        return self._with_source(super()._file_containing_extension(request, containing_type, extension_number))
+        return self._with_source(
+            super()._file_containing_extension(  # pyright: ignore[reportAttributeAccessIssue]  (grpc_reflection's private helper)
+                request, containing_type, extension_number
+            )
+        )
 
 
 def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> SourceReflectionServicer:

@@ -272,7 +272,7 @@ class Router:
             if key == MAX_MODEL_LEN_KEY:
                 w.max_model_len = int(value)
             elif key in spec:
-                spec[key] = value
+                spec[key] = value if isinstance(value, str) else value.decode()
         w.speculative_method = spec[SPEC_METHOD_KEY]
         w.draft_model = spec[DRAFT_MODEL_KEY]
         w.num_speculative_tokens = int(spec[SPEC_TOKENS_KEY])

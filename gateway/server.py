@@ -49,7 +49,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]  (a lazily imported submodule)
         self.router = Router(
             config.workers,
             self.metrics,

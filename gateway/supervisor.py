@@ -87,7 +87,9 @@ def worker_env(scrub: Sequence[str], threads: int | None, num_workers: int) -> d
     return env
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "has no exit status"
     if returncode < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-returncode).name}"
@@ -256,11 +258,12 @@ class Supervisor:
     def _check(self, p: WorkerProcess, now: float) -> None:
         if p.state == State.STARTING:
             if p.exited():
-                self._give_up(p, f"{describe_exit(p.popen.returncode)} while starting")
+                self._give_up(p, f"{describe_exit(_returncode(p))} while starting")
             elif p.poll_ready():
                 self._ready(p, now)
             elif now - p.started_at > self.startup_timeout_s and p.restarts:
                 p.signal(signal.SIGKILL)
+                assert p.popen is not None  # a starting worker has its process
                 p.popen.wait()
                 self._give_up(p, f"did not start within {self.startup_timeout_s:g} s")
         elif p.state == State.RUNNING:
@@ -286,7 +289,7 @@ class Supervisor:
             p.backoff = Backoff(self.policy)
         delay = p.backoff.delay(now - p.ready_at)
         p.state, p.died_at, p.restart_at = State.WAITING, now, now + delay
-        how = describe_exit(p.popen.returncode)
+        how = describe_exit(_returncode(p))
         if self.router is not None:
             self.router.report_failure(self.router.worker(p.name), f"process {how}")
         log.error(
@@ -294,7 +297,7 @@ class Supervisor:
             worker=p.name,
             pid=p.pid,
             address=p.address,
-            status=p.popen.returncode,
+            status=_returncode(p),
             restart_in_s=delay,
             stderr_tail=p.last_lines()[-5:],
         )
@@ -324,3 +327,8 @@ class Supervisor:
                 log.warning("worker did not stop in time; killing it", worker=p.name, pid=p.pid)
                 p.signal(signal.SIGKILL)
                 p.popen.wait()
+
+
+def _returncode(p: WorkerProcess) -> int | None:
+    """The exit status of ``p``'s process (None: no process, or still running)."""
+    return None if p.popen is None else p.popen.returncode

@@ -11,6 +11,9 @@ Wrappers check dtypes, strides and contiguity, allocate their outputs and launch
 host synchronisation, so they can be captured in CUDA graphs.
 """
 
+# pyright: reportArgumentType=false, reportCallIssue=false, reportOperatorIssue=false
+# (a @triton.jit function is typed by its Python signature: launches pass ints for constexpr
+# parameters and launch options such as num_warps, and tl values are untyped)
 from __future__ import annotations
 
 import torch

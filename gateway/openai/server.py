@@ -242,6 +242,7 @@ class OpenAIServer:
         resp = first
         while True:
             _raise_if_error(resp)
+            assert resp is not None  # _raise_if_error raised for None
             ev = resp.event
             if ev.WhichOneof("kind") == "delta":
                 text.append(ev.delta.text)

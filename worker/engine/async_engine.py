@@ -24,7 +24,7 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,7 +165,7 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         continuation: Sequence[int] = (),
         continuation_spec: SpecStats | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the deltas of one request. ValueError for a bad request, before any delta;
         RequestFailedError if the engine fails it; EngineDeadError if the engine stops.
         A ChatPrompt is rendered with the model's chat template (off the engine thread too)

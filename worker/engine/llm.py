@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -112,8 +112,8 @@ def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> li
             f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__}"
         )
     if seq and all(isinstance(c, Sequence) and not isinstance(c, str | Mapping) for c in seq):
-        return seq  # several conversations
-    return [seq]  # one conversation
+        return cast(list[Conversation], seq)  # several conversations
+    return [cast(Conversation, seq)]  # one conversation
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -121,5 +121,5 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     seq = list(prompts)
     if seq and all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
-        return [seq]  # one prompt of token ids
-    return seq
+        return [cast(Prompt, seq)]  # one prompt of token ids
+    return cast(list[Prompt], seq)

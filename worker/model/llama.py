@@ -63,7 +63,7 @@ class Linear(nn.Linear):
         w = self.weight
         return w if w.dim() == 2 else w.reshape(-1, w.shape[-1])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]  [T, in] -> [T, out]
         w = self.weight
         if w.dim() == 2:
             return F.linear(x, w, self.bias)
@@ -156,6 +156,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos_sin, k_cache, v_cache, meta, backend)
         h, residual = self.post_attention_layernorm(h, residual)
+        assert residual is not None
         return self.mlp(h), residual
 
 

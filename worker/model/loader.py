@@ -119,6 +119,7 @@ def load_model(
     """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file)."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
+    ckpt = None  # the open GGUF file
     if gguf:
         ckpt = open_gguf(folder)
         cfg = gguf_config(ckpt)
@@ -168,7 +169,7 @@ def load_model(
 
     tensors = (
         iter_gguf_tensors(ckpt, cfg, sources, torch_dtype)
-        if gguf
+        if ckpt is not None
         else _iter_tensors(folder, files, weight_map, sources, progress)
     )
     for path, key, tensor in tensors:

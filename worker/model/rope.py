@@ -35,6 +35,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
+        self.cos: torch.Tensor  # [P, D]: buffers, registered below
+        self.sin: torch.Tensor
         with torch.device("cpu"):  # real values even when the model is built on the meta device
             inv = inverse_frequencies(rope, head_dim)
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, D/2]

@@ -223,7 +223,7 @@ async def serve(
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     servicer = WorkerServicer(aengine, model_name)
     wgrpc.add_WorkerServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]  (a lazily imported submodule)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -158,7 +158,7 @@ class ChatTemplate:
         at = text.rfind(_PROBE)
         if at < 0:
             return ()
-        special = set(getattr(self.hf, "all_special_ids", ()) or ())
+        special: set[int] = set(getattr(self.hf, "all_special_ids", ()) or ())
         for tid, tok in (getattr(self.hf, "added_tokens_decoder", None) or {}).items():
             if getattr(tok, "special", False):
                 special.add(int(tid))
