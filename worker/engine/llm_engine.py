@@ -18,7 +18,14 @@ import torch
 from draftwise.logs import ensure_logging
 from draftwise.worker.engine.block_manager import BlockManager
 from draftwise.worker.engine.config import EngineConfig
-from draftwise.worker.engine.containment import EngineDeadError, Failure, contain, contain_each, is_step_fatal
+from draftwise.worker.engine.containment import (
+    EngineDeadError,
+    Failure,
+    contain,
+    contain_each,
+    is_step_fatal,
+    isolate,
+)
 from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.intake import Intake
 from draftwise.worker.engine.outputs import SpecStats, StepOutput, StepStats
@@ -280,9 +287,8 @@ class LLMEngine:
             if is_step_fatal(e):
                 raise
             first = e
-        done, failed = contain(
-            scheduled, lambda ss: [self.runner.run([self._chunk(s) for s in ss])], _req, "forward pass"
-        )
+        log.warning("forward pass failed for the batch; isolating", error=repr(first), sequences=len(scheduled))
+        done, failed = isolate(scheduled, lambda ss: [self.runner.run([self._chunk(s) for s in ss])], _req)
         self._fail(step, failed)
         if not done:
             return [], torch.empty(0)
