@@ -196,6 +196,42 @@ def test_a_failing_proposal_ends_only_its_request(spec_llm):
     engine.check_idle_invariants()
 
 
+@pytest.mark.parametrize("phase", ["plan", "verify"])
+def test_a_failing_plan_or_verification_ends_only_its_request(spec_llm, phase):
+    """The speculation phases besides proposing: planning (the proposer's ``plan``, e.g. an
+    n-gram lookup) and verification (rejection sampling) fail for one request's rows; that
+    request ends with its error, the others go on exactly and every block is freed."""
+    engine = spec_llm.engine
+    spec = engine.spec
+    for i in range(3):
+        engine.add_request(f"ok{i}", f"def h{i}(x):", GREEDY)
+    engine.add_request("bad", "def broken(x):", GREEDY)
+    target, name = (spec.proposer, "plan") if phase == "plan" else (spec, "_verify_batch")
+    original = getattr(target, name)
+
+    def plan(req, k):
+        if req.request_id == "bad":
+            raise IndexError("injected: planning fails for this request")
+        return original(req, k)
+
+    def verify(logits, items):
+        if any(s.request.request_id == "bad" for s, _ in items):
+            raise IndexError("injected: verification fails on this request's rows")
+        return original(logits, items)
+
+    setattr(target, name, plan if phase == "plan" else verify)
+    try:
+        outs = _drain(engine)
+    finally:
+        delattr(target, name)
+    assert outs["bad"].outputs[0].finish_reason == "error" and "injected" in outs["bad"].error
+    alone = spec_llm.generate([f"def h{i}(x):" for i in range(3)], GREEDY, use_tqdm=False)
+    for i in range(3):
+        assert outs[f"ok{i}"].outputs[0].token_ids == alone[i].outputs[0].token_ids
+        assert outs[f"ok{i}"].outputs[0].num_spec_proposed > 0
+    engine.check_idle_invariants()
+
+
 def test_a_forward_error_of_one_sequence_ends_only_its_request(plain_llm):
     engine = plain_llm.engine
     runner = engine.runner
