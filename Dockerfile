@@ -35,9 +35,10 @@ RUN pip install "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "grpcio-reflec
     && pip install --no-deps /wheels/*.whl \
     && rm -rf /wheels
 USER draftwise
-ENV DRAFTWISE_HOST=0.0.0.0 DRAFTWISE_PORT=50051 DRAFTWISE_METRICS_HOST=0.0.0.0 DRAFTWISE_METRICS_PORT=9090 \
-    DRAFTWISE_LOG_FORMAT=json
-EXPOSE 50051 9090
+# gRPC on 50051, the OpenAI-compatible HTTP endpoint on 8000, /metrics and /healthz on 9090
+ENV DRAFTWISE_HOST=0.0.0.0 DRAFTWISE_PORT=50051 DRAFTWISE_HTTP_PORT=8000 DRAFTWISE_METRICS_HOST=0.0.0.0 \
+    DRAFTWISE_METRICS_PORT=9090 DRAFTWISE_LOG_FORMAT=json
+EXPOSE 50051 8000 9090
 CMD ["draftwise", "gateway"]
 
 # a worker: torch from PyTorch's CPU index by default (TORCH_INDEX_URL for CUDA), then the wheel and its dependencies

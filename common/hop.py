@@ -51,8 +51,9 @@ def write_secret_file(path: str | os.PathLike[str], secret: str) -> Path:
 
 def read_secret_file(path: str | os.PathLike[str]) -> str:
     """The secret held by ``path``; ValueError (readable) when it cannot be read or is too short.
-    A file other users may read is accepted with a warning (a container's mounted secret
-    often is); on a shared machine keep it 0600."""
+    Owner- or group-readable (0600, 0640, 0440: a Kubernetes Secret mounted for the pod's
+    fsGroup is root-owned and group-readable) is fine; a file every user may read or write is
+    accepted with a warning (on a shared machine keep it 0600)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -64,8 +65,12 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
         raise ValueError(
             f"the internal secret file {path} holds {len(secret)} characters; it needs at least {MIN_SECRET_CHARS}"
         )
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("the internal secret file is readable by other users; chmod 600 it", path=str(path))
+    if mode & stat.S_IRWXO:
+        log.warning(
+            "the internal secret file is open to every user; chmod o-rwx it (600, or 640 for a group)",
+            path=str(path),
+            mode=f"{stat.S_IMODE(mode):04o}",
+        )
     return secret
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from draftwise.hop import secret_metadata, write_secret_file
+from draftwise import hop
+from draftwise.hop import read_secret_file, secret_metadata, write_secret_file
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import worker_service_pb2 as wpb
@@ -181,3 +184,42 @@ def test_an_insecure_worker_serves_without_a_secret(tmp_path):
         assert asyncio.run(_worker_call(w.address, "GetLoad", None)) == grpc.StatusCode.OK
     finally:
         w.stop()
+
+
+SECRET = "s" * 43
+
+
+@pytest.mark.parametrize(
+    ("mode", "warns"),
+    [
+        (0o600, False),  # draftwise serve's own file
+        (0o400, False),
+        (0o640, False),  # shared with a group
+        (0o440, False),  # a Kubernetes Secret mounted for the pod's fsGroup (root-owned, group-readable)
+        (0o660, False),
+        (0o644, True),  # every user can read it
+        (0o604, True),
+        (0o444, True),
+        (0o602, True),  # every user can replace it
+    ],
+    ids=lambda v: f"{v:04o}" if isinstance(v, int) and not isinstance(v, bool) else str(v),
+)
+def test_secret_file_warns_only_when_every_user_can_reach_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, warns: bool
+) -> None:
+    """Owner or group access is what a secret file needs (the group case is how Kubernetes mounts
+    one for a non-root user, and the operator cannot chmod a mounted Secret); a warning on every
+    pod for it trains operators to ignore the one that matters, world access."""
+    f = tmp_path / "internal-secret"
+    f.write_text(SECRET + "\n")
+    f.chmod(mode)
+    with structlog.testing.capture_logs() as logs:
+        # a fresh proxy: a logger another test already used may be cached on the old configuration
+        monkeypatch.setattr(hop, "log", structlog.get_logger("draftwise.hop"))
+        assert read_secret_file(f) == SECRET
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    if warns:
+        (w,) = warnings
+        assert "open to every user" in w["event"] and w["mode"] == f"{mode:04o}" and w["path"] == str(f), w
+    else:
+        assert warnings == [], warnings
