@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -276,6 +277,52 @@ def test_buf_breaking_catches_a_removed_field(tmp_path):
     source.write_text(changed)
     findings = _breaking(buf, proto, _last_release())
     assert any(f["type"] == "FIELD_NO_DELETE" and "ignore_eos" in f["message"] for f in findings), findings
+
+
+def quoted_breaking_command() -> str:
+    """The ``buf breaking`` command proto/buf.yaml's comment quotes for the last release (run in proto/)."""
+    comments = [
+        line.lstrip("#").strip() for line in (PROTO / "buf.yaml").read_text().splitlines() if line.startswith("#")
+    ]
+    (command,) = [c for c in comments if c.startswith("buf breaking") and "releases/" in c and ".git" not in c]
+    return command
+
+
+def _run_quoted(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_the_breaking_command_buf_yaml_quotes_passes_as_written():
+    """Run exactly as quoted (no filter of our own), it passes against the last release image."""
+    _buf()
+    command = quoted_breaking_command()
+    assert f"--against releases/{_last_release().name}" in command, command
+    res = _run_quoted(command, PROTO)
+    assert res.returncode == 0, f"{command}\n{res.stdout}{res.stderr}"
+
+
+def test_the_quoted_breaking_command_leaves_out_only_the_option_findings(tmp_path):
+    """Its --config is buf.yaml's `breaking` section less exactly the rules of the findings the
+    release image may differ in (options set from unset), and it still catches a real break."""
+    import yaml
+
+    buf = _buf()
+    argv = shlex.split(quoted_breaking_command())
+    config = json.loads(argv[argv.index("--config") + 1]) if "--config" in argv else {"breaking": {}}
+    ours = yaml.safe_load((PROTO / "buf.yaml").read_text())["breaking"]
+    assert config["breaking"].get("use") == ours["use"]
+    findings = _breaking(buf, PROTO, _last_release())  # buf.yaml's own rules
+    allowed = {f["type"] for f in findings if OPTION_FINDING.match(f["message"])}
+    assert set(config["breaking"].get("except", [])) == allowed
+    proto = tmp_path / "proto"
+    shutil.copytree(PROTO, proto, ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
+    source = proto / "draftwise" / "v1" / "generation.proto"
+    text = source.read_text()
+    changed = text.replace("  // Keep generating past the model's EOS token.\n  bool ignore_eos = 9;\n", "")
+    assert changed != text
+    source.write_text(changed)
+    res = _run_quoted(quoted_breaking_command(), proto)
+    assert res.returncode == 100 and "ignore_eos" in res.stdout, res.stdout + res.stderr
 
 
 def test_the_reflection_set_ships_in_the_package():
