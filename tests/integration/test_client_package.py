@@ -9,6 +9,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -118,11 +119,35 @@ def test_async_client_and_session(gateway, reference):
     assert bad_error.code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in bad_error.message
 
 
-@pytest.mark.parametrize("example", ["stream.py", "async_stream.py", "multiplex.py"])
+def test_sync_session(gateway, reference):
+    """The blocking client's session: the same semantics as the async one (many requests on one
+    stream, each with its own deltas, cancellable, one bad request failing alone), its requests
+    read from several threads at once."""
+    with Client(gateway.address) as client, client.session(timeout=60) as s:
+        streams = [s.generate(p, SamplingParams(max_tokens=20, temperature=0)) for p in PROMPTS]
+        long = s.generate("x", SamplingParams(max_tokens=400, ignore_eos=True))
+        bad = s.generate("x", SamplingParams(top_p=2.0))
+        first = next(long)
+        long.cancel()
+        long_last = [first, *long][-1]
+        with pytest.raises(GenerationError) as bad_error:
+            bad.complete()
+        with ThreadPoolExecutor(len(streams)) as pool:
+            completions = list(pool.map(lambda st: st.complete(), streams))
+        assert [st.attempts for st in streams] == [1] * len(PROMPTS) and s.reconnects == 0
+    assert [c.text for c in completions] == reference
+    assert [c.request_id for c in completions] == [st.request_id for st in streams]
+    assert long_last.finish_reason == "abort"
+    assert bad_error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in bad_error.value.message
+    with pytest.raises(RuntimeError):
+        s.generate("x")  # the session is closed
+
+
+@pytest.mark.parametrize("example", ["stream.py", "async_stream.py", "multiplex.py", "session.py"])
 def test_examples_run(gateway, example):
+    """Each example takes a prompt (the session examples one or more)."""
     args = [sys.executable, str(CLIENT_DIR / "examples" / example), f"--server={gateway.address}"]
-    if example != "multiplex.py":
-        args += ["def fibonacci(n):", "--max-tokens=8"]
+    args += ["def fibonacci(n):", "--max-tokens=8"]
     res = subprocess.run(
         args, env=child_env(PYTHONPATH=str(CLIENT_DIR)), capture_output=True, text=True, timeout=120, cwd=Path.cwd()
     )

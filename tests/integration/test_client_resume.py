@@ -140,6 +140,27 @@ def test_session_resumes_every_request_of_a_dropped_stream(gateway, proxy):
     assert reconnects == 1 and resumes == [1] * len(cases)
 
 
+def test_blocking_session_resumes_every_request_of_a_dropped_stream(gateway, proxy):
+    """The same on the blocking client's session: its reader thread reopens the stream and
+    resumes every request; each is read to its end from its own thread."""
+    prompts = [PROMPT, "class Stack:"]
+    cases = [(p, params) for p in prompts for params in (GREEDY, SEEDED)]
+    refs = _undisturbed_meanwhile(gateway.address, cases)
+    with Client(proxy.address, resume=FAST) as client, client.session(timeout=90) as s:
+        streams = [s.generate(p, params) for p, params in cases]
+        firsts = [next(st) for st in streams]  # every request has its handle
+        assert proxy.drop() == 1
+        with ThreadPoolExecutor(len(streams)) as pool:
+            rests = list(pool.map(list, streams))
+        resumes, reconnects = [st.resumes for st in streams], s.reconnects
+    for first, rest, (ref_ids, ref_text) in zip(firsts, rests, refs(), strict=True):
+        deltas = [first, *rest]
+        _check_contiguous(deltas)
+        assert [t for d in deltas for t in d.token_ids] == ref_ids
+        assert "".join(d.text for d in deltas) == ref_text
+    assert reconnects == 1 and resumes == [1] * len(cases)
+
+
 def test_session_sends_again_a_request_that_had_no_delta_when_the_stream_broke(gateway, proxy):
     """The stream is reset right after the start was written: the request has (almost always)
     no delta yet, so no handle, and the session sends it again on the new stream; if its first

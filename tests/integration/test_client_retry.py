@@ -107,6 +107,22 @@ def test_session_requests_retry_until_admitted(one_slot):
     assert attempts > REFUSALS and _refusals(one_slot) - before == attempts - 1
 
 
+def test_blocking_session_requests_retry_until_admitted(one_slot):
+    def blocking() -> tuple[object, int]:
+        with Client(one_slot.address, retry=PATIENT) as client, client.session(timeout=30) as s:
+            stream = s.generate("class Stack:", PARAMS)
+            return stream.complete(), stream.attempts
+
+    async def main():
+        async with holding_the_slot(one_slot, REFUSALS):
+            return await asyncio.to_thread(blocking)
+
+    before = _refusals(one_slot)
+    completion, attempts = asyncio.run(main())
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 4
+    assert attempts > REFUSALS and _refusals(one_slot) - before == attempts - 1
+
+
 def test_blocking_client_retries_until_admitted(one_slot):
     def blocking() -> object:
         with Client(one_slot.address, retry=PATIENT) as client:

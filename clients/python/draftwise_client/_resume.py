@@ -87,15 +87,21 @@ def is_transport_error(error: GenerationError) -> bool:
 
 
 def resume_delay(
-    policy: ResumePolicy, error: GenerationError, attempt: int, deadline: float | None = None
+    policy: ResumePolicy,
+    error: GenerationError,
+    attempt: int,
+    deadline: float | None = None,
+    *,
+    now: float | None = None,
+    rng: random.Random | None = None,
 ) -> float | None:
     """Seconds to wait before reconnection number ``attempt`` after ``error``; None when the
     error is not a transport failure, attempts are used up, or the wait would pass
-    ``deadline`` (a monotonic time)."""
+    ``deadline`` (a monotonic time; ``now``: the current one, read from the clock when None)."""
     if not is_transport_error(error) or attempt > policy.max_attempts:
         return None
-    delay = policy.delay_s(attempt)
-    if deadline is not None and time.monotonic() + delay >= deadline:
+    delay = policy.delay_s(attempt, rng)
+    if deadline is not None and (time.monotonic() if now is None else now) + delay >= deadline:
         return None
     return delay
 

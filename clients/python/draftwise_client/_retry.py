@@ -91,15 +91,23 @@ def hint_from_metadata(metadata: object) -> int | None:
 
 
 def retry_delay(
-    policy: RetryPolicy, error: GenerationError, attempt: int, received: bool, deadline: float | None = None
+    policy: RetryPolicy,
+    error: GenerationError,
+    attempt: int,
+    received: bool,
+    deadline: float | None = None,
+    *,
+    now: float | None = None,
+    rng: random.Random | None = None,
 ) -> float | None:
     """Seconds to wait before sending the request again after ``error`` ended attempt
     ``attempt``; None when it must not be retried (tokens were received, the code is not
-    retryable, attempts are used up, or the wait would pass ``deadline``, a monotonic time)."""
+    retryable, attempts are used up, or the wait would pass ``deadline``, a monotonic time;
+    ``now``: the current monotonic time, read from the clock when None)."""
     hint = error.retry_after_ms
     if not policy.should_retry(error.code, attempt, hint, received):
         return None
-    delay = policy.delay_s(attempt, hint)
-    if deadline is not None and time.monotonic() + delay >= deadline:
+    delay = policy.delay_s(attempt, hint, rng)
+    if deadline is not None and (time.monotonic() if now is None else now) + delay >= deadline:
         return None
     return delay

@@ -1,8 +1,11 @@
 """The blocking client.
 
-with Client("127.0.0.1:50051") as client:
-    for delta in client.generate("def fibonacci(n):", SamplingParams(max_tokens=64, temperature=0)):
-        print(delta.text, end="", flush=True)
+    with Client("127.0.0.1:50051") as client:
+        for delta in client.generate("def fibonacci(n):", SamplingParams(max_tokens=64, temperature=0)):
+            print(delta.text, end="", flush=True)
+
+``generate`` runs one request per call (``GenerateStream``). ``session()`` opens one
+multiplexed ``Generate`` stream for many concurrent requests, each cancellable.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 
 from draftwise_client._common import HEALTH_CHECK, SERVING, Connection, empty, health_status
+from draftwise_client._core import Done, Failed, Raise, RequestCore, Resume, Retry, Send, Yield, stream_request
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generate_service_pb2_grpc as gsgrpc
 from draftwise_client._proto import generation_pb2 as pb
-from draftwise_client._resume import DEFAULT_RESUME, Progress, ResumePolicy, log, resume_delay, resume_outcome
-from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy, retry_delay
+from draftwise_client._resume import DEFAULT_RESUME, ResumePolicy, log
+from draftwise_client._retry import DEFAULT_RETRY, RetryPolicy
+from draftwise_client._sync_session import SyncSession
 from draftwise_client._types import (
     Collector,
     Completion,
@@ -26,7 +31,6 @@ from draftwise_client._types import (
     ModelInfo,
     SamplingParams,
     chat_prompt,
-    delta_from_event,
     start_message,
 )
 
@@ -105,45 +109,37 @@ class Client:
         delta is retried as the client's RetryPolicy says; a connection that drops after it is
         resumed as its ResumePolicy says (no delta lost or repeated); both within ``timeout``
         (which covers every attempt)."""
-        start = gspb.GenerateStreamRequest(start=start_message(prompt, params, model, request_id))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        progress = Progress(request_id)
-        attempt = 0  # sends of the start
-        in_row = 0  # resumes since the last event
-        while True:
-            if progress.resumable:
-                req = gspb.GenerateStreamRequest(resume=progress.resume_message())
-            else:
-                attempt += 1
-                req = start
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            call = self._stub.GenerateStream(req, metadata=self.connection.metadata, timeout=remaining)
+        now = time.monotonic()
+        core = RequestCore(
+            start_message(prompt, params, model, request_id),
+            retry=self.retry,
+            resume=self.resume,
+            deadline=None if timeout is None else now + timeout,
+        )
+        action: Send | Retry | Resume | Raise | Done = core.begin()
+        while isinstance(action, Send | Retry | Resume):
+            if not isinstance(action, Send):
+                time.sleep(action.delay_s)
+            if isinstance(action, Resume):
+                log.info("resuming %s at token %d after %s", action.handle, action.next_index, action.error)
+            call = self._stub.GenerateStream(
+                stream_request(action), metadata=self.connection.metadata, timeout=core.timeout(time.monotonic())
+            )
             try:
                 for resp in call:
-                    if progress.accept(resp.event):
-                        in_row = 0
-                        yield delta_from_event(resp.event)
-                return
-            except grpc.RpcError as e:
-                if progress.finished:
-                    return  # the connection broke after the final event: nothing is missing
-                error = GenerationError.from_rpc(e, request_id)
-                error.attempts, error.resumes = attempt, progress.resumes
-                error = resume_outcome(error, progress.cause)
-                if progress.resumable:
-                    in_row += 1
-                    delay = resume_delay(self.resume, error, in_row, deadline)
+                    step = core.received(resp.event, time.monotonic())
+                    if not isinstance(step, Yield):
+                        action = step  # a gap (DATA_LOSS), or a refusal to retry
+                        break
+                    yield from step.deltas
                 else:
-                    delay = retry_delay(self.retry, error, attempt, progress.received, deadline)
-                if delay is None:
-                    raise error from None
+                    action = core.ended()
+            except grpc.RpcError as e:
+                action = core.failed(Failed.from_rpc(e), time.monotonic())
             finally:
                 call.cancel()  # no-op once the call ended
-            time.sleep(delay)
-            if progress.resumable:
-                progress.resumes += 1
-                progress.cause = error
-                log.info("resuming %s at token %d after %s", progress.handle, progress.next_index, error)
+        if isinstance(action, Raise):
+            raise action.error from None
 
     def chat(
         self,
@@ -174,3 +170,9 @@ class Client:
         for delta in self.generate(prompt, params, model=model, timeout=timeout):
             acc.add(delta)
         return acc.result()
+
+    def session(self, timeout: float | None = None) -> SyncSession:
+        """Many requests multiplexed on one ``Generate`` stream, each with its own deltas:
+        ``with client.session() as s: r = s.generate(...)`` (``timeout`` covers the whole
+        stream, reconnections included)."""
+        return SyncSession(self, timeout)
