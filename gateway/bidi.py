@@ -23,10 +23,14 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from draftwise.gateway.admit import Refused, admit
 from draftwise.gateway.config import MAX_RECEIVE_BYTES
-from draftwise.gateway.relay import Core, Relay, RequestError, clip, error_response, resume_relay
+from draftwise.gateway.core import Core, InFlight
+from draftwise.gateway.errors import RequestError, clip, error_response
+from draftwise.gateway.relay import Relay
+from draftwise.gateway.resumption import resume_relay
 from draftwise.gateway.streams import Outbox
-from draftwise.gateway.validate import parse_request, too_large, validate_start
+from draftwise.gateway.validate import parse_request, too_large
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generation_pb2 as pb
 
@@ -52,7 +56,7 @@ class MultiplexedStream:
         self.context = context
         self.stream_id = next(_stream_ids)
         self.outbox = Outbox(core.config.max_buffered_tokens)
-        self.active: dict[str, Relay] = {}
+        self.active: dict[str, InFlight] = {}
         self.half_closed = False
         self.shutting_down = False
         self.fatal: RequestError | None = None  # what ends the whole call (a malformed message)
@@ -162,26 +166,15 @@ class MultiplexedStream:
                     f"request_id {clip(rid)!r} is already in flight on this stream; the new request was rejected "
                     "(the running one goes on): pick a fresh id",
                 )
-            if self.core.draining:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance"
-                )
-            model = validate_start(self.core, start)
-            if not self.core.admission.try_acquire():
-                admission = self.core.admission
-                self.core.metrics.requests.labels("resource_exhausted").inc()
-                self.outbox.put_final(
-                    rid,
-                    error_response(
-                        rid, grpc.StatusCode.RESOURCE_EXHAUSTED, admission.rejection(), admission.retry_after_ms
-                    ),
-                )
-                return
         except RequestError as e:
             self.core.metrics.requests.labels(e.code.name.lower()).inc()
             self.outbox.put_final(rid, error_response(rid, e.code, e.message))
             return
-        relay = Relay(self.core, rid, start, model, self.outbox, self.context.time_remaining())
+        ticket = admit(self.core, start)
+        if isinstance(ticket, Refused):
+            self.outbox.put_final(rid, error_response(rid, ticket.code, ticket.message, ticket.retry_after_ms))
+            return
+        relay = Relay(self.core, rid, start, ticket, self.outbox, self.context.time_remaining())
         self.active[rid] = relay
         relay.start().add_done_callback(lambda _t, rid=rid, relay=relay: self._done(rid, relay))
 
@@ -209,7 +202,7 @@ class MultiplexedStream:
         relay.on_takeover = lambda rid=rid, relay=relay: self._done(rid, relay)
         relay.task.add_done_callback(lambda _t, rid=rid, relay=relay: self._done(rid, relay))
 
-    def _done(self, rid: str, relay: Relay) -> None:
+    def _done(self, rid: str, relay: InFlight) -> None:
         if self.active.get(rid) is relay:
             del self.active[rid]
         self._maybe_close()

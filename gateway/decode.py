@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import structlog
 
+from draftwise.gateway.errors import clip
 from draftwise.gateway.metrics import GatewayMetrics
-from draftwise.gateway.relay import clip
 from draftwise.wire import handler_like
 
 log = structlog.get_logger("draftwise.gateway.decode")

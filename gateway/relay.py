@@ -5,31 +5,31 @@ exactly one final event (finished or error) whatever happens.
 A worker that turns out to be unreachable before the request produced anything is taken
 out of rotation and the request retried on another. Once tokens reached the client, a worker
 that dies, hangs (no progress for ``failover_stall_s``) or drains makes the request fail
-over: it is resubmitted elsewhere with the tokens sent so far as its continuation, the same
-sampling parameters and the remaining deadline, and relaying goes on at the next index (see docs/serving.md).
+over (:mod:`draftwise.gateway.failover`): it is resubmitted elsewhere with the tokens sent so
+far as its continuation, the same sampling parameters and the remaining deadline, and
+relaying goes on at the next index (see docs/serving.md).
 
 Every request also gets a resume handle on its first delta and a replay buffer
-(:mod:`draftwise.gateway.replay`): when its client goes away it keeps running for
+(:mod:`draftwise.gateway.resumption`): when its client goes away it keeps running for
 ``resume_retention_s`` so that a ``ResumeGeneration`` can pick it up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
 
-from draftwise.gateway.admission import Admission
-from draftwise.gateway.config import GatewayConfig
-from draftwise.gateway.metrics import GatewayMetrics
-from draftwise.gateway.replay import ReplayBudget, ReplayBuffer, ResumeError, new_handle
-from draftwise.gateway.router import Router, WorkerHandle
+from draftwise.gateway.admit import Admitted
+from draftwise.gateway.core import Core
+from draftwise.gateway.errors import MAX_DETAILS_CHARS, RequestError, clip, error_response
+from draftwise.gateway.failover import pick, prepare_failover, wait_for_worker
+from draftwise.gateway.replay import new_handle
+from draftwise.gateway.resumption import Resumable
+from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generation_pb2 as pb
@@ -40,114 +40,13 @@ log = structlog.get_logger("draftwise.gateway.relay")
 _FINISH_STATUS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
-@dataclass
-class Core:
-    """What every request of one gateway shares."""
-
-    config: GatewayConfig
-    router: Router
-    admission: Admission
-    metrics: GatewayMetrics
-    id_prefix: str
-    draining: bool = False
-    relays: set[Relay] = field(default_factory=set)
-    streams: set[Any] = field(default_factory=set)  # open MultiplexedStreams
-    resumable: dict[str, Relay] = field(default_factory=dict)  # resume handle -> request
-    replay_budget: ReplayBudget = field(init=False)
-    _ids: itertools.count = field(default_factory=itertools.count)
-
-    def __post_init__(self) -> None:
-        self.replay_budget = ReplayBudget(self.config.resume_buffer_total_bytes)
-        # read when scraped: no gauge update (a lock and a store) per relayed delta
-        budget = self.replay_budget
-        self.metrics.replay_bytes.set_function(lambda: budget.used)
-        self.router.watchers.append(self.watch)
-
-    def watch(self) -> None:
-        """After each round of polls: move requests off workers that drain, and off calls that
-        sent tokens and then nothing for ``failover_stall_s`` (the worker is then kept out of
-        rotation as long)."""
-        now = time.monotonic()
-        stall = self.config.failover_stall_s
-        for relay in list(self.relays):
-            w = relay.call_worker
-            if w is None or relay.moving:
-                continue
-            if w.load.draining and self.router.pick(relay.model, frozenset({w})) is not None:
-                # (with nowhere to go, the request finishes on the draining worker, as Drain promises)
-                relay.move("drain", f"worker {w.address} is draining ({relay.num_tokens} output tokens sent)")
-            elif relay.num_tokens and now - relay.t_progress > stall:
-                reason = f"no progress for {stall:g}s"
-                self.router.report_stall(w, stall, f"a request made {reason} on it (hung?)")
-                relay.move("stall", f"worker {w.address} made {reason} after {relay.num_tokens} output tokens")
-
-    def worker_request_id(self) -> str:
-        """A request id unique across this gateway's requests (client ids are unique per stream only)."""
-        return f"{self.id_prefix}-{next(self._ids)}"
-
-    def default_model(self) -> str | None:
-        if self.config.default_model:
-            return self.config.default_model
-        return next((w.model for w in self.router.workers if w.model), None)
-
-
-CLIP_CHARS = 64
-"""Client-supplied strings quoted in an error message are cut to this many characters."""
-MAX_DETAILS_CHARS = 1024
-"""A worker's error message is passed on cut to this length (it may quote the client's input)."""
-
-
-def clip(text: str, limit: int = CLIP_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, "..." marking the cut: client input quoted in an
-    error message must never make it unbounded (gRPC sends the message as metadata, which
-    has its own, much smaller, limit)."""
-    return text if len(text) <= limit else f"{text[:limit]}..."
-
-
 def _being_cancelled() -> bool:
     """Whether the running task itself is being cancelled (not merely a call it awaited)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
 
 
-class RequestError(Exception):
-    """A request ends with this status code and message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def resume_relay(core: Core, relay: Relay | None, outbox: Outbox, request_id: str, next_token_index: int) -> None:
-    """Attach ``relay`` (the request of a resume handle, None when unknown) to ``outbox``;
-    RequestError NOT_FOUND or INVALID_ARGUMENT when it cannot be (counted by outcome)."""
-    resumes = core.metrics.resumes
-    if relay is None:
-        resumes.labels("not_found").inc()
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND,
-            "no request with this resume handle on this gateway: it was never started here, its client was gone "
-            f"for longer than the retention time ({core.config.resume_retention_s:g}s, --resume-retention-s), or "
-            "it finished and its events were delivered",
-        )
-    try:
-        relay.resume(outbox, request_id, next_token_index)
-    except ResumeError as e:
-        resumes.labels(e.code).inc()
-        code = grpc.StatusCode.NOT_FOUND if e.code == "not_found" else grpc.StatusCode.INVALID_ARGUMENT
-        raise RequestError(code, e.message) from None
-    resumes.labels("ok").inc()
-
-
-def error_response(
-    request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int = 0
-) -> gspb.GenerateResponse:
-    error = pb.RequestError(code=code.value[0], message=message, retry_after_ms=retry_after_ms)
-    return gspb.GenerateResponse(event=pb.GenerationEvent(request_id=request_id, error=error))
-
-
-class Relay:
+class Relay(Resumable):
     """Runs one admitted request (its admission slot is released when it ends)."""
 
     def __init__(
@@ -155,16 +54,15 @@ class Relay:
         core: Core,
         request_id: str,
         start: pb.StartGeneration,
-        model: str,
+        admitted: Admitted,
         outbox: Outbox | None,
         timeout_s: float | None,
     ) -> None:
-        self.core = core
-        self.request_id = request_id
-        self.model = model
-        self.outbox = outbox
+        # every output token the client has, in order: a client may itself start from a continuation
+        self.tokens: list[int] = list(start.continuation.output_token_ids)
+        super().__init__(core, request_id, outbox, num_tokens=len(self.tokens))
+        self.model = model = admitted.model
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.start_request_id = request_id  # what a resume with an empty request_id uses
         self.request = wpb.WorkerServiceGenerateRequest(start=start)
         self.base_id = core.worker_request_id()
         self.request.start.request_id = self.base_id
@@ -174,8 +72,6 @@ class Relay:
         # speculation; seeded ones continue token for token (randomness keyed by seed and position).
         self.t0 = time.perf_counter()
         self.t_last = 0.0
-        # every output token the client has, in order: a client may itself start from a continuation
-        self.tokens: list[int] = list(start.continuation.output_token_ids)
         self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
         self.failovers = 0
         # the worker call in progress (None between attempts), and a move asked of it
@@ -183,14 +79,6 @@ class Relay:
         self._call_obj: grpc.aio.UnaryStreamCall | None = None
         self._move: tuple[str, str] | None = None
         self.t_progress = 0.0  # monotonic time of the current call's start or last event
-        # resumption
-        self.handle = ""
-        self.buffer: ReplayBuffer | None = None
-        if core.config.resume_retention_s > 0:
-            self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes, num_tokens=len(self.tokens))
-        self._expiry: asyncio.TimerHandle | None = None
-        self.on_takeover: Callable[[], None] | None = None
-        """Called when a resume on another stream takes this request over (its stream forgets it)."""
         # the prompt's size and the worker's queue time, for the ABORT event the gateway builds
         # itself: known up front for token ids, else from the worker's first delta
         self.prompt_tokens = len(start.prompt.token_ids.ids)
@@ -224,6 +112,10 @@ class Relay:
         return len(self.tokens)
 
     @property
+    def cancelling(self) -> bool:
+        return self._cancel is not None
+
+    @property
     def moving(self) -> bool:
         return self._move is not None
 
@@ -242,67 +134,6 @@ class Relay:
             return
         self._cancel = (code, message)
         self._task.cancel()
-
-    # ------------------------------------------------------------------ resumption
-
-    def client_gone(self, outbox: Outbox) -> None:
-        """The client stream behind ``outbox`` went away. A resumable request keeps running,
-        its events kept for a resume, for ``resume_retention_s``; any other is cancelled."""
-        if self.outbox is not outbox or self.done or self._cancel is not None:
-            return
-        buf = self.buffer
-        if not self.handle or buf is None or buf.lost is not None:
-            self.cancel()  # the client has no handle, or there is nothing to resume from
-            return
-        self.outbox = None
-        retention = self.core.config.resume_retention_s
-        self._expiry = asyncio.get_running_loop().call_later(retention, self._expire)
-        self.core.metrics.detached.inc()
-        self.log.info("client gone; request kept for a resume", tokens=self.num_tokens, retention_s=retention)
-
-    def _expire(self) -> None:
-        """Retention passed without a resume: cancel the request (its KV is freed), forget it."""
-        self._expiry = None
-        self.core.metrics.detached.dec()
-        self.log.info("resume retention passed; request dropped", running=not self.done)
-        self.cancel()
-        self._unregister("its retention time passed")
-
-    def resume(self, outbox: Outbox, request_id: str, next_token_index: int) -> None:
-        """Send the events from ``next_token_index`` on into ``outbox`` as ``request_id``, then
-        the live rest. ResumeError when that index is not a boundary or beyond what was produced."""
-        assert self.buffer is not None  # only buffered requests are registered
-        events = self.buffer.replay(next_token_index, request_id)
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-            self.core.metrics.detached.dec()
-        elif self.outbox is not None and self.outbox is not outbox:  # its old stream has not noticed yet
-            old, old_rid = self.outbox, self.request_id
-            old.put_final(
-                old_rid,
-                error_response(
-                    old_rid,
-                    grpc.StatusCode.ABORTED,
-                    "this request was resumed on another connection (ResumeGeneration)",
-                ),
-            )
-            if self.on_takeover is not None:
-                self.on_takeover()
-        self.outbox, self.request_id = outbox, request_id
-        self.on_takeover = None
-        self.log = self.log.bind(request_id=request_id)
-        for r in events:
-            outbox.put_replay(request_id, r)
-        self.log.info("resumed", next_token_index=next_token_index, replayed=len(events), done=self.done)
-        if self.done:
-            self._unregister("it finished and its events were delivered")
-
-    def _unregister(self, why: str) -> None:
-        if self.handle and self.core.resumable.get(self.handle) is self:
-            del self.core.resumable[self.handle]
-        if self.buffer is not None:
-            self.buffer.drop(why)
 
     async def _run(self) -> None:
         try:
@@ -323,7 +154,7 @@ class Relay:
             self._emit_error(grpc.StatusCode.INTERNAL, f"gateway error: {e!r}")
         finally:
             self._final_status("cancelled")  # no-op when already set
-            if self._expiry is None:  # else kept for a resume until it expires
+            if not self.detached:  # else kept for a resume until it expires
                 self._unregister("it finished")
             self.core.admission.release()
             self.core.relays.discard(self)
@@ -344,14 +175,14 @@ class Relay:
         excluded: dict[WorkerHandle, Any] = {}
         last_failure = ""
         while True:
-            w = self._pick(excluded)
+            w = pick(self, excluded)
             if w is None:
                 if not self.num_tokens:  # nothing sent yet: the client may simply retry
                     raise RequestError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"no healthy worker serves model {self.model!r} ({self.core.router.describe()}); retry shortly",
                     )
-                w = await self._wait_for_worker(excluded, last_failure)
+                w = await wait_for_worker(self, excluded, last_failure)
             excluded[w] = w.channel
             self.worker = w
             w.in_flight += 1
@@ -363,56 +194,7 @@ class Relay:
                 return
             last_failure = failed[1]
             if self.num_tokens:
-                self._prepare_failover(w, *failed)
-
-    def _pick(self, excluded: dict[WorkerHandle, Any]) -> WorkerHandle | None:
-        out = frozenset(w for w, channel in excluded.items() if w.channel is channel)
-        return self.core.router.pick(self.model, out)
-
-    async def _wait_for_worker(self, excluded: dict[WorkerHandle, Any], why: str) -> WorkerHandle:
-        """A healthy worker to fail over to, waiting up to ``failover_wait_s`` (within the
-        deadline) for one to come (back) up."""
-        t0 = time.monotonic()
-        until = t0 + self.core.config.failover_wait_s
-        if self.deadline is not None:
-            until = min(until, self.deadline)
-        while time.monotonic() < until:
-            await asyncio.sleep(0.05)
-            w = self._pick(excluded)
-            if w is not None:
-                return w
-        raise RequestError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"{why}, and no healthy worker came up to continue on within {time.monotonic() - t0:.1f}s "
-            f"({self.core.router.describe()}); {self.num_tokens} output tokens were delivered: "
-            "retry it (or resubmit the prompt plus those tokens)",
-        )
-
-    def _prepare_failover(self, w: WorkerHandle, reason: str, detail: str) -> None:
-        """Resubmit the request with what the client has as its continuation, or end it
-        UNAVAILABLE once it has failed over ``max_failovers`` times."""
-        cfg = self.core.config
-        if self.failovers >= cfg.max_failovers:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{detail}; {self.num_tokens} output tokens were delivered and the request had already moved "
-                f"{self.failovers} times (--max-failovers={cfg.max_failovers}): retry it",
-            )
-        self.failovers += 1
-        start = self.request.start
-        start.request_id = f"{self.base_id}.{self.failovers}"
-        cont = start.continuation
-        del cont.output_token_ids[:]
-        cont.output_token_ids.extend(self.tokens)
-        if self.spec is not None:
-            cont.speculation.CopyFrom(self.spec)
-        recomputed = self.prompt_tokens + self.num_tokens
-        m = self.core.metrics
-        m.failovers.labels(reason).inc()
-        m.failover_recomputed_tokens.inc(recomputed)
-        self.log.warning(
-            "failing over", worker=w.address, reason=reason, detail=detail, tokens=self.num_tokens, n=self.failovers
-        )
+                prepare_failover(self, w, *failed)
 
     # ------------------------------------------------------------------ one worker call
 

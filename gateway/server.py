@@ -20,11 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from draftwise.gateway.admission import Admission
 from draftwise.gateway.auth import ApiKeyInterceptor
 from draftwise.gateway.config import MAX_RECEIVE_BYTES, GatewayConfig
+from draftwise.gateway.core import Core
 from draftwise.gateway.decode import DecodeInterceptor
+from draftwise.gateway.failover import watch
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.openai import OpenAIServer, start_openai_server
 from draftwise.gateway.reflection import enable_reflection
-from draftwise.gateway.relay import Core
 from draftwise.gateway.router import Router
 from draftwise.gateway.service import SERVICE_NAME, GenerateServicer, add_generate_service
 
@@ -66,6 +67,8 @@ class Gateway:
             metrics=self.metrics,
             id_prefix=f"gw{uuid.uuid4().hex[:8]}",
         )
+        core = self.core
+        self.router.watchers.append(lambda: watch(core))  # failover after each round of load polls
         interceptors: list[grpc.aio.ServerInterceptor] = [DecodeInterceptor(self.metrics)]
         if config.api_keys:
             interceptors.append(ApiKeyInterceptor(config.api_keys))

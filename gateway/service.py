@@ -19,11 +19,15 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
+from draftwise.gateway.admit import Refused, Why, admit
 from draftwise.gateway.bidi import MultiplexedStream
-from draftwise.gateway.relay import Core, Relay, RequestError, resume_relay
+from draftwise.gateway.core import Core, InFlight
+from draftwise.gateway.errors import RequestError
+from draftwise.gateway.relay import Relay
+from draftwise.gateway.resumption import resume_relay
 from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
-from draftwise.gateway.validate import parse_request, validate_start
+from draftwise.gateway.validate import parse_request
 from draftwise.v1 import generate_service_pb2 as gspb
 
 log = structlog.get_logger("draftwise.gateway.service")
@@ -40,7 +44,6 @@ def _serialize(message: gspb.GenerateResponse) -> bytes:
 class GenerateServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._refused = core.metrics.requests.labels("resource_exhausted")
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -68,25 +71,19 @@ class GenerateServicer:
                 yield resp
             return
         start = request.start
-        try:
-            if core.draining:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it to another instance"
-                )
-            model = validate_start(core, start)
-        except RequestError as e:
-            core.metrics.requests.labels(e.code.name.lower()).inc()
-            await context.abort(e.code, e.message)
-        admission = core.admission
-        if not admission.try_acquire():  # the cheapest way out: no exception, nothing built per call
-            self._refused.inc()
-            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.set_details(admission.rejection())
-            context.set_trailing_metadata(admission.trailing_metadata())
-            return
+        ticket = admit(core, start)
+        if isinstance(ticket, Refused):
+            if ticket.why == Why.AT_CAPACITY:  # the cheapest way out: no exception, the trailers built once
+                admission = core.admission
+                context.set_code(ticket.code)
+                context.set_details(ticket.message)
+                context.set_trailing_metadata(admission.trailing_metadata())
+                return
+            await context.abort(ticket.code, ticket.message)
+            return  # (abort raises)
         rid = start.request_id or f"req-{uuid.uuid4().hex[:16]}"
         outbox = Outbox(core.config.max_buffered_tokens)
-        relay = Relay(core, rid, start, model, outbox, context.time_remaining())
+        relay = Relay(core, rid, start, ticket, outbox, context.time_remaining())
         relay.start()
         async for resp in _events(relay, outbox, context):
             yield resp
@@ -133,7 +130,7 @@ class GenerateServicer:
 
 
 async def _events(
-    relay: Relay, outbox: Outbox, context: grpc.aio.ServicerContext
+    relay: InFlight, outbox: Outbox, context: grpc.aio.ServicerContext
 ) -> AsyncIterator[gspb.GenerateResponse]:
     """The events of ``relay`` from ``outbox``, until its final one: an error ends the call
     with its status. If the call goes away first, the request is kept for a resume (or aborted)."""

@@ -8,7 +8,8 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from draftwise.gateway.relay import Core, RequestError, clip
+from draftwise.gateway.core import Core
+from draftwise.gateway.errors import RequestError, clip
 from draftwise.v1 import generation_pb2 as pb
 
 M = TypeVar("M", bound=Message)

@@ -23,9 +23,12 @@ import grpc
 import structlog
 from aiohttp import web
 
+from draftwise.gateway.admit import Admitted, Refused, Why, admit
+from draftwise.gateway.core import Core
+from draftwise.gateway.errors import RequestError
 from draftwise.gateway.openai import protocol as P
 from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
-from draftwise.gateway.relay import Core, Relay, RequestError
+from draftwise.gateway.relay import Relay
 from draftwise.gateway.streams import Outbox
 from draftwise.gateway.validate import validate_start
 from draftwise.v1 import generation_pb2 as pb
@@ -65,7 +68,6 @@ class OpenAIServer:
     def __init__(self, core: Core, api_keys: frozenset[str]) -> None:
         self.core = core
         self._keys = tuple(k.encode() for k in api_keys)
-        self._refused = core.metrics.requests.labels("resource_exhausted")
         app = web.Application(middlewares=[self._errors], client_max_size=core.config.max_request_bytes)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
@@ -181,47 +183,31 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ one request
 
-    def _admit(self, parsed: ParsedRequest) -> str:
-        """The model to run on; ApiError (503, 404, 400, 429) when the request cannot start."""
-        core, start = self.core, parsed.start
-        try:
-            if core.draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send it elsewhere")
-            models = core.router.models()
-            if not models:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"no worker has reported its model yet ({core.router.describe()}); retry shortly",
-                )
-            wanted = start.model or core.default_model()
-            if wanted is not None and wanted not in models:
-                served = ", ".join(sorted(models))
-                raise RequestError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"the model {wanted[:64]!r} does not exist on this server; it serves: {served} (GET /v1/models)",
-                )
-            model = validate_start(core, start)
-        except RequestError as e:
-            core.metrics.requests.labels(e.code.name.lower()).inc()
-            status = HTTP_STATUS.get(e.code, 500)
-            raise ApiError(status, e.message, "model" if status == 404 else None, _code(status)) from None
-        if not core.admission.try_acquire():
-            self._refused.inc()
-            adm = core.admission
+    def _admit(self, parsed: ParsedRequest) -> Admitted:
+        """The admission ticket; ApiError (503, 404, 400, 429) when the request cannot start."""
+        ticket = admit(self.core, parsed.start, check=_model_for)
+        if not isinstance(ticket, Refused):
+            return ticket
+        if ticket.why == Why.DRAINING:
+            raise ApiError(503, "the server is shutting down; send it elsewhere")
+        if ticket.why == Why.AT_CAPACITY:
+            adm = self.core.admission
             raise ApiError(
                 429,
                 f"the server is at capacity ({adm.max_in_flight} requests in flight); "
                 f"retry after {adm.retry_after_ms} ms (Retry-After header)",
                 code="rate_limit_exceeded",
             )
-        return model
+        status = HTTP_STATUS.get(ticket.code, 500)
+        raise ApiError(status, ticket.message, "model" if status == 404 else None, _code(status))
 
     async def _generate(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
-        model = self._admit(parsed)
+        ticket = self._admit(parsed)
+        model = ticket.model
         core = self.core
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outbox = Outbox(core.config.max_buffered_tokens)
-        relay = Relay(core, rid, parsed.start, model, outbox, None)
+        relay = Relay(core, rid, parsed.start, ticket, outbox, None)
         relay.buffer = None  # not resumable over HTTP: a client that leaves cancels its request
         relay.start()
         try:
@@ -321,6 +307,25 @@ class OpenAIServer:
         await http.write(b"data: [DONE]\n\n")
         await http.write_eof()
         return http
+
+
+def _model_for(core: Core, start: pb.StartGeneration) -> str:
+    """The model to run ``start`` on, OpenAI's way: a model this server does not serve is
+    NOT_FOUND (404 ``model_not_found``); then the gateway's own checks."""
+    models = core.router.models()
+    if not models:
+        raise RequestError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no worker has reported its model yet ({core.router.describe()}); retry shortly",
+        )
+    wanted = start.model or core.default_model()
+    if wanted is not None and wanted not in models:
+        served = ", ".join(sorted(models))
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"the model {wanted[:64]!r} does not exist on this server; it serves: {served} (GET /v1/models)",
+        )
+    return validate_start(core, start)
 
 
 def _code(status: int) -> str | None:

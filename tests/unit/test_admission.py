@@ -1,5 +1,6 @@
-"""Admission's rejection (message, pushback trailers, RetryInfo detail), the gateway's message
-parsing with its size limit, and the clipping of client input quoted in errors."""
+"""Admission's rejection (message, pushback trailers, RetryInfo detail), the one admission
+decision every front makes (``admit``), the gateway's message parsing with its size limit,
+and the clipping of client input quoted in errors."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from draftwise.gateway.admission import Admission
+from draftwise.gateway.admit import DRAINING_MESSAGE, Admitted, Refused, Why, admit
 from draftwise.gateway.config import DEFAULT_MAX_REQUEST_BYTES, MAX_RECEIVE_BYTES, GatewayConfig
-from draftwise.gateway.relay import CLIP_CHARS, RequestError, clip
+from draftwise.gateway.core import Core
+from draftwise.gateway.errors import CLIP_CHARS, RequestError, clip
+from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.router import Router
 from draftwise.gateway.validate import parse_request
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generation_pb2 as pb
@@ -37,6 +42,39 @@ def test_slots():
     a.release()
     with pytest.raises(RuntimeError):
         a.release()
+
+
+def _core(max_in_flight: int = 1) -> Core:
+    """A gateway's shared state with no worker (nothing is polled or connected)."""
+    metrics = GatewayMetrics()
+    return Core(GatewayConfig(), Router((), metrics), Admission(max_in_flight, 250), metrics, "t")
+
+
+def _refusals(core: Core, status: str) -> float:
+    return core.metrics.registry.get_sample_value("draftwise_requests_total", {"status": status}) or 0.0
+
+
+def test_admit_answers_with_a_ticket_or_a_counted_refusal():
+    core = _core(max_in_flight=1)
+    start = pb.StartGeneration(request_id="a", prompt=pb.Prompt(text="hi"))
+    # the gateway's own checks: no worker has reported a model
+    refused = admit(core, start)
+    assert isinstance(refused, Refused) and refused.why == Why.INVALID
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and "no worker has reported its model" in refused.message
+    assert _refusals(core, "unavailable") == 1 and core.admission.in_flight == 0
+    # a front's own checks pick the model; the ticket holds the one slot
+    ticket = admit(core, start, check=lambda _core, _start: "m")
+    assert ticket == Admitted("m") and core.admission.in_flight == 1
+    full = admit(core, start, check=lambda _core, _start: "m")
+    assert isinstance(full, Refused) and full.why == Why.AT_CAPACITY
+    assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED and full.message == core.admission.rejection()
+    assert full.retry_after_ms == 250 and _refusals(core, "resource_exhausted") == 1
+    core.admission.release()
+    core.draining = True  # draining comes first: nothing is checked, no slot taken
+    calls: list[str] = []
+    draining = admit(core, start, check=lambda _core, _start: calls.append("checked") or "m")
+    assert draining == Refused(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE, Why.DRAINING)
+    assert not calls and core.admission.in_flight == 0 and _refusals(core, "unavailable") == 2
 
 
 def test_parse_request_limits_and_malformed_bytes():

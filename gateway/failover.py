@@ -1,0 +1,120 @@
+"""Failover: when a request leaves its worker, and how it continues on another.
+
+:func:`watch` runs after each round of load polls (the gateway registers it with the router)
+and moves requests off workers that drain and off calls that sent tokens and then nothing
+for ``failover_stall_s``. A request that has to go on elsewhere (its worker died, hung or
+drains) waits for a worker with :func:`pick` / :func:`wait_for_worker` and is resubmitted by
+:func:`prepare_failover` as a continuation: the tokens its client has, the same sampling
+parameters and the speculation counters so far, at the next index (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from draftwise.gateway.core import Core
+from draftwise.gateway.errors import RequestError
+from draftwise.gateway.router import WorkerHandle
+from draftwise.v1 import generation_pb2 as pb
+from draftwise.v1 import worker_service_pb2 as wpb
+
+
+class Movable(Protocol):
+    """What failover reads and writes of a request (a :class:`~draftwise.gateway.relay.Relay`)."""
+
+    core: Core
+    model: str
+    deadline: float | None
+    """Monotonic time by which it must end (None: no deadline)."""
+    request: wpb.WorkerServiceGenerateRequest
+    """What is sent to a worker; a failover rewrites its start as a continuation."""
+    base_id: str
+    """The worker request id of its first attempt (the n-th failover sends ``base_id.n``)."""
+    tokens: list[int]
+    """Every output token its client has, in order."""
+    spec: pb.SpeculationStats | None
+    failovers: int
+    prompt_tokens: int
+    log: Any
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def watch(core: Core) -> None:
+    """After each round of polls: move requests off workers that drain, and off calls that
+    sent tokens and then nothing for ``failover_stall_s`` (the worker is then kept out of
+    rotation as long)."""
+    now = time.monotonic()
+    stall = core.config.failover_stall_s
+    for relay in list(core.relays):
+        w = relay.call_worker
+        if w is None or relay.moving:
+            continue
+        if w.load.draining and core.router.pick(relay.model, frozenset({w})) is not None:
+            # (with nowhere to go, the request finishes on the draining worker, as Drain promises)
+            relay.move("drain", f"worker {w.address} is draining ({relay.num_tokens} output tokens sent)")
+        elif relay.num_tokens and now - relay.t_progress > stall:
+            reason = f"no progress for {stall:g}s"
+            core.router.report_stall(w, stall, f"a request made {reason} on it (hung?)")
+            relay.move("stall", f"worker {w.address} made {reason} after {relay.num_tokens} output tokens")
+
+
+def pick(relay: Movable, excluded: dict[WorkerHandle, Any]) -> WorkerHandle | None:
+    """The least-loaded healthy worker for ``relay``'s model, leaving out the ``excluded``
+    workers (worker -> its channel when it failed this request) unless restarted since (a
+    new channel)."""
+    out = frozenset(w for w, channel in excluded.items() if w.channel is channel)
+    return relay.core.router.pick(relay.model, out)
+
+
+async def wait_for_worker(relay: Movable, excluded: dict[WorkerHandle, Any], why: str) -> WorkerHandle:
+    """A healthy worker to fail over to, waiting up to ``failover_wait_s`` (within the
+    deadline) for one to come (back) up; RequestError UNAVAILABLE when none does."""
+    core = relay.core
+    t0 = time.monotonic()
+    until = t0 + core.config.failover_wait_s
+    if relay.deadline is not None:
+        until = min(until, relay.deadline)
+    while time.monotonic() < until:
+        await asyncio.sleep(0.05)
+        w = pick(relay, excluded)
+        if w is not None:
+            return w
+    raise RequestError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"{why}, and no healthy worker came up to continue on within {time.monotonic() - t0:.1f}s "
+        f"({core.router.describe()}); {relay.num_tokens} output tokens were delivered: "
+        "retry it (or resubmit the prompt plus those tokens)",
+    )
+
+
+def prepare_failover(relay: Movable, w: WorkerHandle, reason: str, detail: str) -> None:
+    """Resubmit the request with what the client has as its continuation, or end it
+    UNAVAILABLE once it has failed over ``max_failovers`` times."""
+    cfg = relay.core.config
+    if relay.failovers >= cfg.max_failovers:
+        raise RequestError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{detail}; {relay.num_tokens} output tokens were delivered and the request had already moved "
+            f"{relay.failovers} times (--max-failovers={cfg.max_failovers}): retry it",
+        )
+    relay.failovers += 1
+    start = relay.request.start
+    start.request_id = f"{relay.base_id}.{relay.failovers}"
+    cont = start.continuation
+    del cont.output_token_ids[:]
+    cont.output_token_ids.extend(relay.tokens)
+    if relay.spec is not None:
+        cont.speculation.CopyFrom(relay.spec)
+    recomputed = relay.prompt_tokens + relay.num_tokens
+    m = relay.core.metrics
+    m.failovers.labels(reason).inc()
+    m.failover_recomputed_tokens.inc(recomputed)
+    relay.log.warning(
+        "failing over", worker=w.address, reason=reason, detail=detail, tokens=relay.num_tokens, n=relay.failovers
+    )
