@@ -12,13 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from draftwise.cli.connect import server_address
+
 DEFAULT_TIMEOUT_S = 5.0
 """Default deadline of the check, in seconds."""
 
 
 def add_health_args(p: argparse.ArgumentParser) -> None:
-    from draftwise.cli import server_address
-
     p.add_argument("address", type=server_address, help="HOST[:PORT] of a gateway or a worker (port default 50051)")
     p.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=f"seconds to wait (default {DEFAULT_TIMEOUT_S:g})"

@@ -1,12 +1,14 @@
 """Command line of the gateway (``draftwise gateway``, also ``python -m draftwise.gateway``); its
 flags are shared with ``draftwise serve``. Every flag also reads ``DRAFTWISE_<FLAG>`` from the
-environment (:mod:`draftwise.envflags`). Workers are given by address (``--worker``) and/or found
-by name (``--worker-dns``, :mod:`draftwise.gateway.discovery`)."""
+environment (:mod:`draftwise.envflags`). The flags of GatewayConfig's fields are made from the
+fields themselves (:mod:`draftwise.flagtable`: name, default, help). Workers are given by address
+(``--worker``) and/or found by name (``--worker-dns``, :mod:`draftwise.gateway.discovery`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -16,6 +18,7 @@ from typing import Any
 import structlog
 
 from draftwise.envflags import apply_env, port_number
+from draftwise.flagtable import Flag, add_flags, config_values, table
 from draftwise.gateway.auth import load_api_keys
 from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.discovery import Discovery, DiscoveryConfig, dns_target, read_hosts_file
@@ -29,28 +32,28 @@ API_KEYS_ENV = "DRAFTWISE_API_KEYS"
 """Environment variable read for API keys (comma or whitespace separated), unless --api-keys-env says another."""
 
 
-def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    d = GatewayConfig()
-    p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}; 0.0.0.0 for all)")
-    p.add_argument("--port", type=port_number, default=d.port, help=f"gRPC port (default {d.port}; 0: any free port)")
-    p.add_argument(
-        "--max-in-flight", type=int, default=d.max_in_flight, help="requests in flight before RESOURCE_EXHAUSTED"
+GATEWAY_INTERNAL = {
+    "worker_names": "draftwise serve names the workers it starts",
+    "internal_secret": "read from --internal-secret-file: a secret never goes on a command line",
+    "api_keys": "read from --api-key-file and the variable --api-keys-env names: keys never go on a command line",
+}
+"""GatewayConfig fields without a flag of their own, and why."""
+
+
+@functools.cache
+def gateway_flags() -> tuple[Flag, ...]:
+    """The gateway's flags, one per GatewayConfig field (but GATEWAY_INTERNAL)."""
+    return table(
+        GatewayConfig,
+        internal=GATEWAY_INTERNAL,
+        options={"workers": "--worker", "shutdown_grace_s": "--shutdown-grace"},
+        converters={"port": port_number, "metrics_port": port_number, "http_port": port_number},
     )
-    p.add_argument(
-        "--retry-after-ms", type=int, default=d.retry_after_ms, help="retry hint sent with RESOURCE_EXHAUSTED"
-    )
-    p.add_argument(
-        "--max-buffered-tokens",
-        type=int,
-        default=d.max_buffered_tokens,
-        help="tokens of one request queued for a slow reader before it is cancelled with RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=d.max_request_bytes,
-        help=f"largest client message accepted, in bytes (default {d.max_request_bytes}); larger: INVALID_ARGUMENT",
-    )
+
+
+def add_gateway_args(p: argparse._ActionsContainer) -> None:
+    """The gateway's flags but ``--worker`` (``draftwise gateway`` adds it; ``serve`` fills it in)."""
+    add_flags(p, gateway_flags(), skip={"workers"})
     p.add_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
     p.add_argument(
         "--api-keys-env",
@@ -62,60 +65,6 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="file holding the secret the workers require (draftwise serve: default a fresh one per launch)",
     )
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--metrics-port", type=port_number, default=None, help="Prometheus /metrics port (default: off; 0: any)"
-    )
-    p.add_argument(
-        "--http-port",
-        type=port_number,
-        default=None,
-        help="OpenAI-compatible HTTP port on --host: /v1/models, /v1/completions, /v1/chat/completions "
-        "(default: off; 0: any)",
-    )
-    p.add_argument(
-        "--metrics-host", default=d.metrics_host, help=f"address of the metrics endpoint (default {d.metrics_host})"
-    )
-    p.add_argument(
-        "--shutdown-grace", type=float, default=d.shutdown_grace_s, help="seconds in-flight requests get on shutdown"
-    )
-    p.add_argument(
-        "--max-failovers",
-        type=int,
-        default=d.max_failovers,
-        help=f"times a request may move to another worker mid-stream (default {d.max_failovers}; 0: never)",
-    )
-    p.add_argument(
-        "--failover-stall-s",
-        type=float,
-        default=d.failover_stall_s,
-        help=f"seconds without progress after which a worker call counts as hung (default {d.failover_stall_s:g})",
-    )
-    p.add_argument(
-        "--failover-wait-s",
-        type=float,
-        default=d.failover_wait_s,
-        help=f"seconds a failing-over request waits for a healthy worker (default {d.failover_wait_s:g})",
-    )
-    p.add_argument(
-        "--resume-retention-s",
-        type=float,
-        default=d.resume_retention_s,
-        help=f"seconds a request whose client went away stays resumable (default {d.resume_retention_s:g}; 0: off)",
-    )
-    p.add_argument(
-        "--resume-buffer-bytes",
-        type=int,
-        default=d.resume_buffer_bytes,
-        help=f"replay buffer cap per request in bytes (default {d.resume_buffer_bytes})",
-    )
-    p.add_argument(
-        "--resume-buffer-total-bytes",
-        type=int,
-        default=d.resume_buffer_total_bytes,
-        help=f"replay buffers of all requests together, in bytes (default {d.resume_buffer_total_bytes})",
-    )
     p.add_argument(
         "--log-format", choices=["auto", "json", "console"], default="auto", help="log lines (default: auto)"
     )
@@ -125,27 +74,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, workers: tuple[str, ...]) -> GatewayConfig:
     """A GatewayConfig from parsed flags; ValueError with a readable message when they are wrong."""
     return GatewayConfig(
-        host=args.host,
-        port=args.port,
+        **config_values(args, gateway_flags(), skip={"workers"}),
         workers=workers,
-        max_in_flight=args.max_in_flight,
-        retry_after_ms=args.retry_after_ms,
-        max_buffered_tokens=args.max_buffered_tokens,
-        max_request_bytes=args.max_request_bytes,
         api_keys=load_api_keys(args.api_key_file, args.api_keys_env),
         internal_secret=read_secret_file(args.internal_secret_file) if args.internal_secret_file else "",
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        http_port=args.http_port,
-        shutdown_grace_s=args.shutdown_grace,
-        max_failovers=args.max_failovers,
-        failover_stall_s=args.failover_stall_s,
-        failover_wait_s=args.failover_wait_s,
-        resume_retention_s=args.resume_retention_s,
-        resume_buffer_bytes=args.resume_buffer_bytes,
-        resume_buffer_total_bytes=args.resume_buffer_total_bytes,
     )
 
 
@@ -208,9 +140,10 @@ async def _serve(
     return 0
 
 
-def add_discovery_args(p: argparse.ArgumentParser) -> None:
+def add_discovery_args(p: argparse._ActionsContainer) -> None:
     d = DiscoveryConfig()
-    p.add_argument("--worker", action="append", default=[], help="worker host:port (repeat for more)")
+    (workers,) = [f for f in gateway_flags() if f.name == "workers"]
+    add_flags(p, [workers], helps={"workers": f"{workers.help}: host:port, repeat the flag for more"})
     p.add_argument(
         "--worker-dns",
         action="append",
@@ -243,13 +176,13 @@ def build_parser(prog: str = "python -m draftwise.gateway") -> argparse.Argument
 def main(argv: list[str] | None = None, prog: str = "python -m draftwise.gateway") -> int:
     p = build_parser(prog)
     args = p.parse_args(argv)
-    if not args.worker and not args.worker_dns:
+    if not args.workers and not args.worker_dns:
         p.error(
             "give workers: --worker HOST:PORT and/or --worker-dns NAME:PORT (or DRAFTWISE_WORKER / DRAFTWISE_WORKER_DNS)"
         )
     try:
         configure_logging(args.log_format, args.log_level)
-        config = config_from_args(args, tuple(args.worker))
+        config = config_from_args(args, tuple(args.workers))
         discovery = DiscoveryConfig(
             targets=tuple(args.worker_dns), interval_s=args.discovery_interval_s, hosts_file=args.hosts_file
         )

@@ -16,15 +16,13 @@ MODELS = ROOT / "worker" / "default_models"
 
 
 def greedy_sample(which: str, prompt: str = "def fibonacci(n):", n: int = 48) -> str:
-    from draftwise.worker import default_model_path
-    from draftwise.worker.model.greedy import greedy_tokens
-    from draftwise.worker.model.loader import load_model
-    from draftwise.worker.text.tokenizer import load_tokenizer
+    """What ``draftwise generate PROMPT --max-tokens N`` prints: the engine's greedy output
+    (its stop set, its incremental detokenizer) after the prompt."""
+    from draftwise.worker import LLM, SamplingParams, default_model_path
 
-    folder = default_model_path(which)
-    tok = load_tokenizer(folder)
-    ids = list(greedy_tokens(load_model(folder, dtype="float32"), tok.encode(prompt), n))
-    return prompt + tok.decode(ids)
+    llm = LLM(default_model_path(which), dtype="float32", max_num_seqs=1)
+    (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+    return prompt + out.outputs[0].text
 
 
 def card(which: str, s: dict, step: dict, cfg: dict) -> str:

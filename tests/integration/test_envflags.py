@@ -4,6 +4,7 @@ variables. Tested on the real parsers."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -35,10 +36,10 @@ def test_repeatable_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DRAFTWISE_WORKER", "w0:50061, w1:50061 w2:50061")
     monkeypatch.setenv("DRAFTWISE_WORKER_DNS", "workers.ns.svc:50061")
     args = gateway_parser().parse_args([])
-    assert args.worker == ["w0:50061", "w1:50061", "w2:50061"]
+    assert args.workers == ["w0:50061", "w1:50061", "w2:50061"]
     assert args.worker_dns == [("workers.ns.svc", 50061)]
     args = gateway_parser().parse_args(["--worker=x:1", "--worker=y:2"])
-    assert args.worker == ["x:1", "y:2"]  # the command line replaces the variable's list
+    assert args.workers == ["x:1", "y:2"]  # the command line replaces the variable's list
     assert args.worker_dns == [("workers.ns.svc", 50061)]
 
 
@@ -93,8 +94,15 @@ def test_cli_bad_env_is_one_error_and_help_shows_variables(command: str) -> None
     assert "[env: DRAFTWISE_HELP]" not in flat
 
 
+def _serve_parser() -> argparse.ArgumentParser:
+    from draftwise.cli.main import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["serve"]
+
+
 def test_every_flag_has_a_variable() -> None:
-    for parser in (worker_parser(), gateway_parser()):
+    for parser in (worker_parser(), gateway_parser(), _serve_parser()):
         names = env_actions(parser)
         flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
         covered = {o for a in names.values() for o in a.option_strings}
@@ -102,8 +110,6 @@ def test_every_flag_has_a_variable() -> None:
 
 
 def test_apply_env_with_explicit_mapping() -> None:
-    import argparse
-
     p = argparse.ArgumentParser()
     p.add_argument("--limit", type=int, default=1, help="how many")
     p.add_argument("--verbose", action="store_true")

@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftwise.worker import default_model_path
-from draftwise.worker.model.greedy import greedy_tokens
+from draftwise.worker import LLM, SamplingParams, default_model_path
 from draftwise.worker.model.loader import load_model
 from draftwise.worker.text.tokenizer import load_tokenizer
 from tests.model.hf_utils import compare_prefill_then_decode
@@ -103,17 +102,26 @@ def test_shipped_models_match_hf(hf_models, which, block_size):
 
 
 def test_fibonacci_greedy_matches_hf_and_reads_as_python(hf_models):
+    """The engine's greedy tokens are transformers' greedy tokens, and what ``draftwise generate``
+    prints (the engine's stop set and incremental detokenizer) is the model card's sample."""
     folder = default_model_path("target")
     tok = load_tokenizer(folder)
     prompt = "def fibonacci(n):"
     ids = tok.encode(prompt)
-    loaded = load_model(folder, dtype="float32")
-    ours = list(greedy_tokens(loaded, ids, 48))
+    llm = LLM(folder, dtype="float32", max_num_seqs=1)
+    # no stop on either side: 48 tokens each
+    (free,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    ours = free.outputs[0].token_ids
     hf = hf_models["target"].generate(
         torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0
     )
+    assert free.prompt_token_ids == ids and len(ours) == 48
     assert ours == hf[0, len(ids) :].tolist()
-    text = prompt + tok.decode(ours)
+    assert free.outputs[0].text == tok.decode(ours)  # the incremental detokenizer adds up to the whole
+    # as `draftwise generate PROMPT --max-tokens 48` prints it: up to the engine's stop set
+    (shown,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+    assert ours[: len(shown.outputs[0].token_ids)] == shown.outputs[0].token_ids
+    text = prompt + shown.outputs[0].text
     # the function: the prompt line and its indented body, up to the first line back at column 0
     lines = text.split("\n")
     body = [lines[0]]

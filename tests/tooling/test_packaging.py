@@ -47,7 +47,7 @@ def test_wheel_contents(wheel):
             "README.md",
         ]:
             assert f"draftwise/worker/default_models/{which}/{f}" in names
-    assert "draftwise/kernels/reference.py" in names and "draftwise/cli.py" in names
+    assert "draftwise/kernels/reference.py" in names and "draftwise/cli/__init__.py" in names
     for proto in ["generation", "generate_service", "worker_service"]:
         assert f"draftwise/v1/{proto}_pb2.py" in names and f"draftwise/v1/{proto}.proto" in names
 

@@ -11,35 +11,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, TextIO
+
+from draftwise.cli.connect import (
+    add_connection_args,
+    metadata,
+    not_serving,
+    open_channel,
+    tls_ca_problem,
+    tls_hint,
+    tls_roots,
+    uses_tls,
+    wait_serving,
+)
 
 PROMPT = ">>> "
 """What an interactive session shows before each user turn."""
 
 
-def add_chat_args(c: argparse.ArgumentParser, server_type: Any, default_port: int, api_key_env: str) -> None:
-    c.add_argument(
-        "--server",
-        type=server_type,
-        required=True,
-        help=f"HOST[:PORT] of a running `draftwise serve` (gateway; port default {default_port})",
-    )
+def add_chat_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--model", default="", help="model name (default: the server's default model)")
     c.add_argument("--system", default=None, help="a system message that opens the conversation")
     c.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default 256)")
     c.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     c.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1)")
     c.add_argument("--seed", type=int, default=None, help="seed of the replies' random numbers (default: random)")
-    c.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the server to serve")
-    c.add_argument("--timeout", type=float, default=None, help="deadline of each reply in seconds")
-    c.add_argument("--api-key", default=None, help=f"API key (default: ${api_key_env})")
-    c.add_argument("--tls", action="store_true", help="connect over TLS (system roots)")
-    c.add_argument("--tls-ca", default=None, help="connect over TLS trusting this PEM root certificate")
+    add_connection_args(c, required=True)
 
 
 _CAN_MASK = hasattr(signal, "pthread_sigmask")
@@ -128,19 +128,8 @@ class Chat:
         return answer
 
 
-def _channel(args: argparse.Namespace) -> Any:
-    import grpc
-
-    if args.tls_ca or args.tls:
-        roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-        return grpc.secure_channel(args.server, grpc.ssl_channel_credentials(root_certificates=roots))
-    return grpc.insecure_channel(args.server)
-
-
 def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
     import grpc
-
-    from draftwise.cli import _tls_hint
 
     while True:
         if interactive:
@@ -163,7 +152,7 @@ def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
         except grpc.RpcError as e:
             out.write("\n")
             out.flush()
-            hint = _tls_hint(e.details() or "", bool(chat.args.tls or chat.args.tls_ca))
+            hint = tls_hint(e.details() or "", uses_tls(chat.args))
             print(f"error: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             if not interactive:
                 return 1
@@ -172,42 +161,35 @@ def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
         out.flush()
 
 
-def run_chat(args: argparse.Namespace, api_key_env: str) -> int:
+def run_chat(args: argparse.Namespace) -> int:
     """The ``chat`` command: 0 when the conversation ends (Ctrl-D, Ctrl-C, end of input)."""
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
     with sigint_to_this_thread_only():  # before gRPC starts any thread: they all inherit SIGINT blocked
-        return _run_chat(args, api_key_env)
+        return _run_chat(args)
 
 
-def _run_chat(args: argparse.Namespace, api_key_env: str) -> int:
-    from draftwise.cli import _tls_hint, _wait_serving
-
+def _run_chat(args: argparse.Namespace) -> int:
     try:
-        channel = _channel(args)
+        channel = open_channel(args, tls_roots(args))
     except OSError as e:
-        print(f"error: --tls-ca {args.tls_ca}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {tls_ca_problem(args, e)}", file=sys.stderr)
         return 2
-    key = args.api_key or os.environ.get(api_key_env)
-    metadata = [("authorization", f"Bearer {key}")] if key else []
     interactive = sys.stdin.isatty()
     try:
         with channel:
             if args.wait:
                 with sigint_allowed():  # Ctrl-C ends the wait for the server at once
-                    problem = _wait_serving(channel, args.wait, metadata)
+                    problem = wait_serving(channel, args.wait, metadata(args))
                 if problem is not None:
-                    hint = _tls_hint(problem, bool(args.tls or args.tls_ca))
-                    print(
-                        f"error: {args.server} is not serving after {args.wait:g} s ({problem}){hint}", file=sys.stderr
-                    )
+                    print(f"error: {not_serving(args, problem)}", file=sys.stderr)
                     return 1
             if interactive:
                 import readline  # noqa: F401  (line editing and history for input lines)
 
                 print(f"chatting with {args.server} (Ctrl-D or Ctrl-C to quit)", file=sys.stderr)
-            return _loop(Chat(args, channel, metadata), interactive, sys.stdin, sys.stdout)
+            return _loop(Chat(args, channel, metadata(args)), interactive, sys.stdin, sys.stdout)
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         sys.stdout.flush()
