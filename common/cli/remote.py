@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 
 from draftwise.cli.connect import (
@@ -35,17 +34,8 @@ CLIENT_PACKAGE = "draftwise_client"
 
 
 def load_client() -> ModuleType | None:
-    """The Python client package; from the source checkout this package runs from when it is
-    not installed (an editable install: ``clients/python`` sits next to ``common/``); None when
-    neither has it."""
-    try:
-        return importlib.import_module(CLIENT_PACKAGE)
-    except ImportError:
-        pass
-    checkout = Path(__file__).resolve().parents[2] / "clients" / "python"
-    if not (checkout / CLIENT_PACKAGE / "__init__.py").is_file():
-        return None
-    sys.path.append(str(checkout))
+    """The Python client package (installed beside this one: ``pip install ./clients/python``), or
+    None when it is not installed."""
     try:
         return importlib.import_module(CLIENT_PACKAGE)
     except ImportError:

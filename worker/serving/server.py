@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from pathlib import Path
 
 import grpc
@@ -35,6 +34,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from draftwise.envflags import apply_env, port_number
+from draftwise.flagtable import add_flags, config_values, table
 from draftwise.hop import InternalSecretInterceptor, read_secret_file
 from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
@@ -276,19 +276,6 @@ async def serve(
     return 1 if why == "engine" else 0
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    for f in fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.type in ("int | None", "int"):
-            p.add_argument(flag, type=int, default=f.default)
-        elif f.type in ("float",):
-            p.add_argument(flag, type=float, default=f.default)
-        else:
-            p.add_argument(flag, default=f.default)
-
-
 def build_parser(prog: str = "python -m draftwise.worker.serving.server") -> argparse.ArgumentParser:
     """The worker's flags (``draftwise worker``), each also read from ``DRAFTWISE_<FLAG>``."""
     p = argparse.ArgumentParser(prog=prog, description="a draftwise worker process (WorkerService)")
@@ -317,7 +304,7 @@ def build_parser(prog: str = "python -m draftwise.worker.serving.server") -> arg
         "--log-format", choices=["auto", "json", "console"], default="auto", help="log lines (default: auto)"
     )
     p.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
-    _engine_args(p)
+    add_flags(p, table(EngineConfig))
     return apply_env(p)
 
 
@@ -325,7 +312,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m draftwise.worker.
     args = build_parser(prog).parse_args(argv)
     try:
         configure_logging(args.log_format, args.log_level)
-        cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+        cfg = EngineConfig(**config_values(args, table(EngineConfig)))
     except ValueError as e:
         print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
