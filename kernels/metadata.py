@@ -5,6 +5,10 @@ A flat batch concatenates the new tokens of S sequences (T tokens in all). Seque
 brings ``query_start_loc[i+1] - query_start_loc[i]`` new tokens (a prompt chunk, one decode
 token, or 1 + k tokens to verify) at the end of a context of ``seq_lens[i]`` tokens
 (new tokens included). Its KV lives in the blocks listed in ``block_tables[i]``.
+
+The host layout is built once per step by ``draftwise.kernels.flat_batch.FlatBatch``; this
+metadata points at its device copy (:meth:`AttentionMetadata.for_batch`), or at a graph
+runner's static buffers.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from draftwise.kernels.flat_batch import DeviceBatch, FlatBatch
 
 
 @dataclass
@@ -41,55 +47,43 @@ class AttentionMetadata:
         return int(self.slot_mapping.numel())
 
     @classmethod
+    def for_batch(
+        cls,
+        batch: FlatBatch,
+        device_batch: DeviceBatch,
+        block_tables: torch.Tensor,  # [S, W] int32 on the device, W * block_size >= every context
+        block_size: int,
+    ) -> AttentionMetadata:
+        """The metadata of ``batch`` uploaded as ``device_batch``, over ``block_tables`` (the
+        model runner's persistent rows; ``batch`` checked that its tables cover its tokens)."""
+        return cls(
+            slot_mapping=device_batch.slot_mapping,
+            query_start_loc=device_batch.query_start_loc,
+            seq_lens=device_batch.seq_lens,
+            block_tables=block_tables,
+            block_size=block_size,
+            query_lens_cpu=batch.query_lens,
+            seq_lens_cpu=batch.seq_lens.tolist(),
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+        )
+
+    @classmethod
     def build(
         cls,
         *,
         query_lens: Sequence[int],
         seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]] | torch.Tensor,
+        block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Build from host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens: a list of
-        block ids per sequence, or an int32 ``[S, W]`` tensor already on ``device`` whose rows
-        begin with them (the model runner's persistent rows; the caller checked their lengths)."""
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        for q, s in zip(query_lens, seq_lens, strict=True):
-            if q < 1 or q > s:
-                raise ValueError(f"query length {q} must be in [1, seq_len={s}]")
-        if isinstance(block_tables, torch.Tensor):
-            if block_tables.shape[1] * block_size < max(seq_lens, default=0):
-                raise ValueError(f"block tables of width {block_tables.shape[1]} cannot hold {max(seq_lens)} tokens")
-            tables = block_tables
-        else:
-            for s, table in zip(seq_lens, block_tables, strict=True):
-                if len(table) * block_size < s:
-                    raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
-            max_blocks = max((len(t) for t in block_tables), default=1) or 1
-            tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-            for i, t in enumerate(block_tables):
-                if t:
-                    tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            tables = tables.to(device)
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        # slots of all new tokens at once: the block holding each position, and the offset in it
-        q_t = torch.tensor(list(query_lens), dtype=torch.int64)
-        seq_of = torch.repeat_interleave(torch.arange(len(q_t)), q_t)  # [T] sequence of each token
-        first = torch.tensor(list(seq_lens), dtype=torch.int64) - q_t  # [S] position of each first new token
-        pos = first[seq_of] + torch.arange(int(q_t.sum())) - torch.tensor(qsl[:-1], dtype=torch.int64)[seq_of]  # [T]
-        seq_of, pos = seq_of.to(device, non_blocking=True), pos.to(device, non_blocking=True)
-        slots = tables[seq_of, pos // block_size].long() * block_size + pos % block_size  # [T]
-        return cls(
-            slot_mapping=slots,
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=tables,
-            block_size=block_size,
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-        )
+        """From host lists (attention tests): sequence ``i`` brings ``query_lens[i]`` tokens at
+        the end of a context of ``seq_lens[i]``, its KV in the blocks ``block_tables[i]``
+        (covering it). Laid out by :meth:`FlatBatch.from_lengths`, tables padded with 0."""
+        batch = FlatBatch.from_lengths(query_lens, seq_lens, block_tables, block_size)
+        tables = torch.zeros(len(block_tables), max((len(t) for t in block_tables), default=1) or 1, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            if t:
+                tables[i, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
+        return cls.for_batch(batch, batch.upload(device), tables.to(device), block_size)

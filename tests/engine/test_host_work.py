@@ -31,7 +31,8 @@ import pytest
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.model.block_tables import BlockTable, BlockTableRows, truncate_table
-from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
+from draftwise.worker.model.graph_runner import GraphRunner
+from draftwise.worker.model.graph_shapes import GraphConfig
 from draftwise.worker.sampling.sampling_params import SamplingParams
 
 NUM_SEQS = 4

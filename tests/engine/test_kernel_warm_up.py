@@ -5,7 +5,7 @@ variant it has not launched before.
 Run on CPU with the Triton kernels registered for CPU tensors (the interpreter:
 tests/conftest.py sets TRITON_INTERPRET=1) on the real default model. A variant is what
 Triton compiles one binary for: the kernel, its dtypes, its constexprs and the class of
-each integer argument (``draftwise.kernels.triton_attention.recording_launches`` collects them). On a
+each integer argument (``draftwise.kernels.launch_record.recording_launches`` collects them). On a
 GPU, tests/gpu/check_gpu.py counts real compilations while serving.
 """
 
@@ -16,7 +16,8 @@ import random
 import pytest
 
 from draftwise.kernels import dispatch
-from draftwise.kernels import triton_attention as ta
+from draftwise.kernels import launch_plan as plan
+from draftwise.kernels.launch_record import recording_launches
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ def _serve(engine: LLMEngine, rng: random.Random) -> int:
 
 
 def test_serving_launches_only_what_warm_up_launched(triton_on_cpu):
-    with ta.recording_launches() as warmed:
+    with recording_launches() as warmed:
         engine = LLMEngine(
             EngineConfig(
                 dtype="float32",
@@ -67,7 +68,7 @@ def test_serving_launches_only_what_warm_up_launched(triton_on_cpu):
     kinds = {key[0] for key in warmed}
     assert kinds == {"decode", "varlen"}
     assert len({key[3][4] for key in warmed if key[0] == "decode"}) >= 2  # several partition counts
-    with ta.recording_launches() as served:
+    with recording_launches() as served:
         steps = _serve(engine, random.Random(0))
     assert steps > 20 and {key[0] for key in served} == {"decode", "varlen"}
     assert served <= warmed, f"launched while serving, never at start-up: {served - warmed}"
@@ -78,10 +79,10 @@ def test_warm_up_plan_covers_every_choice():
     """Every partition count a decode step can get, and every tile height a varlen step can,
     has a step in the plan (checked against the choosers over every batch and width)."""
     kw = dict(max_num_seqs=64, max_num_tokens=2048, max_context=8192, block_size=16, num_kv_heads=4, group=2)
-    plan = ta.warm_up_plan(**kw, num_sms=132)
-    planned_p = {ta.decode_num_partitions(s, 4, w * 16, 132) for s, n, w in plan if n == 1}
-    every_p = {ta.decode_num_partitions(s, 4, w * 16, 132) for s in range(1, 65) for w in (16, 32, 64, 128, 256, 512)}
+    steps = plan.warm_up_plan(**kw, num_sms=132)
+    planned_p = {plan.decode_num_partitions(s, 4, w * 16, 132) for s, n, w in steps if n == 1}
+    every_p = {plan.decode_num_partitions(s, 4, w * 16, 132) for s in range(1, 65) for w in (16, 32, 64, 128, 256, 512)}
     assert planned_p == every_p and len(every_p) > 3
-    planned_m = {ta.prefill_block_m(n, 2) for s, n, w in plan if n > 1}
-    assert planned_m == {ta.prefill_block_m(n, 2) for n in range(2, 2049)} == {16, 32, 64}
-    assert all(w >= 16 and w & (w - 1) == 0 for _, _, w in plan)
+    planned_m = {plan.prefill_block_m(n, 2) for s, n, w in steps if n > 1}
+    assert planned_m == {plan.prefill_block_m(n, 2) for n in range(2, 2049)} == {16, 32, 64}
+    assert all(w >= 16 and w & (w - 1) == 0 for _, _, w in steps)

@@ -343,7 +343,8 @@ def check_dispatch(ctx: Ctx, rows: list[Row]) -> None:
 def _attach_stand_ins(llm: Any) -> None:
     """CPU only: give the engine's runners graph runners that run the padded static-buffer
     path eagerly, what ``enable_graphs`` captures on CUDA."""
-    from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
+    from draftwise.worker.model.graph_runner import GraphRunner
+    from draftwise.worker.model.graph_shapes import GraphConfig
 
     eng = llm.engine
     k = eng.config.max_draft_tokens
@@ -365,7 +366,7 @@ def _graph_runners(llm: Any) -> list[Any]:
 def _step_for_shape(shapes: Sequence[Any], shape: Any, rng: random.Random) -> list[int] | None:
     """Tokens per sequence of a random step that ``choose_shape`` puts in ``shape`` (None when
     200 draws found none)."""
-    from draftwise.worker.model.graph_runner import choose_shape
+    from draftwise.worker.model.graph_shapes import choose_shape
 
     b, t, q = shape
     for _ in range(200):
@@ -387,7 +388,8 @@ def check_replay_logits(ctx: Ctx, rows: list[Row]) -> None:
     steps), replayed with a random step padded into it, against ModelRunner.run eagerly on an
     identical KV cache (float32 target model)."""
     from draftwise.worker import default_model_path
-    from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
+    from draftwise.worker.model.graph_runner import GraphRunner
+    from draftwise.worker.model.graph_shapes import GraphConfig
     from draftwise.worker.model.kv_cache import KVCache
     from draftwise.worker.model.loader import load_model
     from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
@@ -450,7 +452,7 @@ def check_replay_logits(ctx: Ctx, rows: list[Row]) -> None:
 
 def check_graphs(ctx: Ctx, rows: list[Row]) -> None:
     from draftwise.worker import LLM, SamplingParams
-    from draftwise.worker.model.graph_runner import batch_size_buckets
+    from draftwise.worker.model.graph_shapes import batch_size_buckets
 
     buckets = batch_size_buckets(ctx.graph_max_seqs)
     sizes = sorted(set(buckets) | {b - 1 for b in buckets if b > 2})  # exactly a bucket, and padded up to one
@@ -601,7 +603,7 @@ def check_serving(ctx: Ctx, rows: list[Row]) -> None:
                 None,
             )
         )
-    from draftwise.worker.model.graph_runner import GraphConfig, choose_shape
+    from draftwise.worker.model.graph_shapes import GraphConfig, choose_shape
 
     shapes = GraphConfig.for_steps(256, 6, max_num_tokens=2048).shapes
     b, t, _ = choose_shape(shapes, 129, 134, 6) or (0, 0, 0)
@@ -724,7 +726,8 @@ def _time_device(ctx: Ctx, fn: Callable[[], Any], iters: int) -> float:
 
 
 def time_decode_steps(ctx: Ctx, folder: Path, rows: list[Row]) -> None:
-    from draftwise.worker.model.graph_runner import GraphConfig, GraphRunner
+    from draftwise.worker.model.graph_runner import GraphRunner
+    from draftwise.worker.model.graph_shapes import GraphConfig
     from draftwise.worker.model.kv_cache import KVCache
     from draftwise.worker.model.loader import load_model
     from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from draftwise.kernels import get_attention_backend
+from draftwise.kernels.flat_batch import FlatBatch
 from draftwise.worker import default_model_path
 from draftwise.worker.model.block_tables import BlockTable, truncate_table
-from draftwise.worker.model.graph_runner import (
+from draftwise.worker.model.graph_runner import GraphRunner, graph_unsupported_reason
+from draftwise.worker.model.graph_shapes import (
     GraphConfig,
-    GraphRunner,
     batch_size_buckets,
     choose_shape,
-    graph_unsupported_reason,
     pad_batch,
     plan_batch,
     token_buckets,
@@ -88,14 +88,73 @@ def test_choose_shape_pads_the_token_count_not_every_sequence():
 # ---------------------------------------------------------------- padding
 
 
-def test_pad_batch_flat_layout():
+def _flat(chunks: list[SequenceChunk], block_size: int, max_positions: int | None = None) -> FlatBatch:
+    return FlatBatch.build(chunks, block_size, max_positions)
+
+
+def test_flat_batch_layout():
+    """The one builder both paths read: tokens flat in chunk order, each with its position and
+    cache slot, where each sequence starts, its context, and the rows whose logits it wants."""
     bs = 4
     chunks = [
         SequenceChunk([11, 12, 13], 5, [7, 2, 9, 4], 3),  # verify: positions 5..7 in block 2 (offsets 1-3)
         SequenceChunk([21], 8, [3, 1, 5, 8], 1),  # decode at position 8: block 5
         SequenceChunk([31, 32], 0, [6], 0),  # a short chunk asking for no logits
+        SequenceChunk([41, 42, 43], 3, [1, 9], 2),  # crosses a block boundary: 3 in block 1, 4-5 in block 9
     ]
-    b = pad_batch(chunks, (4, 8, 4), block_size=bs)
+    f = _flat(chunks, bs)
+    assert (f.num_seqs, f.num_tokens, f.max_query_len, f.max_seq_len) == (4, 9, 3, 9)
+    assert f.input_ids.tolist() == [11, 12, 13, 21, 31, 32, 41, 42, 43]
+    assert f.positions.tolist() == [5, 6, 7, 8, 0, 1, 3, 4, 5]
+    assert f.slot_mapping.tolist() == [9, 10, 11, 20, 24, 25, 7, 36, 37]
+    assert f.query_start_loc.tolist() == [0, 3, 4, 6, 9] and f.query_lens == [3, 1, 2, 3]
+    assert f.seq_lens.tolist() == [8, 9, 2, 6]
+    assert f.logit_rows.tolist() == [0, 1, 2, 3, 7, 8]
+    assert f.block_tables[0] is chunks[0].block_table  # the chunks' own tables, for the persistent rows
+    assert f.input_ids.dtype == f.slot_mapping.dtype == f.logit_rows.dtype == np.int64
+    assert f.seq_lens.dtype == f.query_start_loc.dtype == np.int32
+    empty = _flat([], bs)
+    assert (empty.num_seqs, empty.num_tokens, empty.query_start_loc.tolist()) == (0, 0, [0])
+
+
+def test_flat_batch_validates_every_chunk():
+    with pytest.raises(ValueError, match="at least one token"):
+        _flat([SequenceChunk([], 0, [0])], 4)
+    with pytest.raises(ValueError, match="num_logits 2 must be in"):
+        _flat([SequenceChunk([1], 0, [0], num_logits=2)], 4)
+    with pytest.raises(ValueError, match="negative"):
+        _flat([SequenceChunk([1], -1, [0])], 4)
+    with pytest.raises(ValueError, match="beyond the model's context of 32"):
+        _flat([SequenceChunk([1], 32, list(range(9)))], 4, max_positions=32)
+    with pytest.raises(ValueError, match="block table of 1 blocks cannot hold 5 tokens"):
+        _flat([SequenceChunk([1], 4, [0])], 4)
+
+
+def test_flat_batch_reads_only_the_new_tokens_blocks():
+    """Host work follows the step's tokens: a long table is read at the new tokens' blocks only."""
+
+    class Counting(list):
+        reads = 0
+
+        def __getitem__(self, i):  # noqa: ANN001
+            out = super().__getitem__(i)
+            Counting.reads += len(out) if isinstance(i, slice) else 1
+            return out
+
+    long = Counting(range(1001))  # a 16,000-token context
+    f = _flat([SequenceChunk([1, 2], 15_999, long, 2), SequenceChunk([3], 15_000, long)], block_size=16)
+    assert f.slot_mapping.tolist() == [15_999, 16_000, 15_000]
+    assert Counting.reads == 3  # the two blocks the first chunk's tokens land in, one for the decode
+
+
+def test_pad_batch_flat_layout():
+    bs = 4
+    chunks = [
+        SequenceChunk([11, 12, 13], 5, [7, 2, 9, 4], 3),
+        SequenceChunk([21], 8, [3, 1, 5, 8], 1),
+        SequenceChunk([31, 32], 0, [6], 0),
+    ]
+    b = pad_batch(_flat(chunks, bs), (4, 8, 4))
     assert (b.batch_size, b.num_tokens, b.query_len, b.num_seqs, b.num_real_tokens) == (4, 8, 4, 3, 6)
     pad = -1
     assert b.input_ids.tolist() == [11, 12, 13, 21, 31, 32, 0, 0]
@@ -112,7 +171,7 @@ def test_pad_batch_flat_layout():
 
 def test_pad_batch_decode_layout():
     chunks = [SequenceChunk([5], 9, [0, 3, 7]), SequenceChunk([6], 0, [2])]
-    b = pad_batch(chunks, (4, 4, 1), block_size=4)
+    b = pad_batch(_flat(chunks, 4), (4, 4, 1))
     assert b.input_ids.tolist() == [5, 6, 0, 0]
     assert b.slot_mapping.tolist() == [29, 8, -1, -1]
     assert b.query_start_loc.tolist() == [0, 1, 2, 3, 4]  # padding sequences: one token each
@@ -121,53 +180,34 @@ def test_pad_batch_decode_layout():
 
 
 def test_pad_batch_all_padding_and_errors():
-    b = pad_batch([], (2, 2, 1), block_size=16)
+    empty = _flat([], 16)
+    b = pad_batch(empty, (2, 2, 1))
     assert b.slot_mapping.tolist() == [-1, -1] and b.seq_lens.tolist() == [1, 1] and b.logit_rows.tolist() == []
-    f = pad_batch([], (2, 6, 3), block_size=16)
+    f = pad_batch(empty, (2, 6, 3))
     assert f.slot_mapping.tolist() == [-1] * 6 and f.seq_lens.tolist() == [0, 0] and f.query_lens == [0, 0]
     with pytest.raises(ValueError, match="bucket"):
-        pad_batch([SequenceChunk([1], 0, [0])] * 3, (2, 2, 1), 16)
+        pad_batch(_flat([SequenceChunk([1], 0, [0])] * 3, 16), (2, 2, 1))
     with pytest.raises(ValueError, match="brings 2 tokens"):
-        pad_batch([SequenceChunk([1, 2], 0, [0])], (1, 2, 1), 16)
+        pad_batch(_flat([SequenceChunk([1, 2], 0, [0])], 16), (1, 2, 1))
     with pytest.raises(ValueError, match="do not fit"):
-        pad_batch([SequenceChunk([1, 2], 0, [0]), SequenceChunk([1, 2], 0, [0])], (2, 3, 2), 16)
-    with pytest.raises(ValueError, match="block table"):
-        pad_batch([SequenceChunk([1], 16, [0])], (1, 1, 1), 16)
-
-
-def test_pad_batch_reads_only_the_new_tokens_blocks():
-    """Host work follows the step's tokens: a long table is read at the new tokens' blocks only."""
-
-    class Counting(list):
-        reads = 0
-
-        def __getitem__(self, i):  # noqa: ANN001
-            out = super().__getitem__(i)
-            Counting.reads += len(out) if isinstance(i, slice) else 1
-            return out
-
-    long = Counting(range(1001))  # a 16,000-token context
-    b = pad_batch([SequenceChunk([1, 2], 15_999, long, 2)], (1, 2, 2), block_size=16)
-    assert b.slot_mapping.tolist() == [15_999, 16_000]
-    assert Counting.reads == 2  # the two blocks the new tokens land in
+        pad_batch(_flat([SequenceChunk([1, 2], 0, [0]), SequenceChunk([1, 2], 0, [0])], 16), (2, 3, 2))
 
 
 def test_plan_batch_sends_other_steps_eager():
     shapes = GraphConfig(batch_sizes=(1, 2, 4), max_query_len=2).shapes
-    args = dict(shapes=shapes, block_size=4, max_positions=32)
+
+    def plan(chunks: list[SequenceChunk]):  # noqa: ANN202
+        return plan_batch(_flat(chunks, 4), shapes, max_positions=32)
+
     decode = [SequenceChunk([1], 3, [0]), SequenceChunk([2], 7, [1, 2])]
-    planned = plan_batch(decode, **args)
+    planned = plan(decode)
     assert planned is not None and (planned.batch_size, planned.num_tokens, planned.query_len) == (2, 2, 1)
-    mixed = plan_batch([*decode, SequenceChunk([1, 2], 0, [3])], **args)
+    mixed = plan([*decode, SequenceChunk([1, 2], 0, [3])])
     assert mixed is not None and (mixed.batch_size, mixed.num_tokens, mixed.query_len) == (4, 4, 2)
-    assert plan_batch([], **args) is None
-    assert plan_batch([*decode, SequenceChunk([1, 2, 3], 0, [3])], **args) is None  # a prompt chunk
-    assert plan_batch([SequenceChunk([1], i, [0, 1]) for i in range(5)], **args) is None  # above the largest bucket
-    # malformed steps: the eager path raises the error
-    assert plan_batch([SequenceChunk([], 0, [0])], **args) is None
-    assert plan_batch([SequenceChunk([1], 0, [0], num_logits=2)], **args) is None
-    assert plan_batch([SequenceChunk([1], 32, list(range(9)))], **args) is None  # beyond max_positions
-    assert plan_batch([SequenceChunk([1], 4, [0])], **args) is None  # table too short
+    assert plan([]) is None
+    assert plan([*decode, SequenceChunk([1, 2, 3], 0, [3])]) is None  # a prompt chunk
+    assert plan([SequenceChunk([1], i, [0, 1]) for i in range(5)]) is None  # above the largest bucket
+    assert plan([SequenceChunk([1], 32, list(range(9)))]) is None  # past the static tables' reach
 
 
 # ---------------------------------------------------------------- when graphs are (not) used

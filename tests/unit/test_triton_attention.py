@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from draftwise.kernels import AttentionMetadata, reference
+from draftwise.kernels import launch_plan as plan
 from draftwise.kernels import triton_attention as ta
 
 TOL = {
@@ -163,7 +164,7 @@ def test_decode_single_partition_writes_output_directly():
     seq_lens = [1, 15, 16, 17, 40]
     k_cache, v_cache, tables = _cache(seq_lens, block_size, 2, d, torch.float32, seed=4)
     meta = _meta_tensors(tables, seq_lens, [1] * len(seq_lens), block_size)
-    assert ta.decode_num_partitions(len(seq_lens), 2, meta.block_tables.shape[1] * block_size) == 1
+    assert plan.decode_num_partitions(len(seq_lens), 2, meta.block_tables.shape[1] * block_size) == 1
     q = torch.randn(len(seq_lens), 4, d)
     out = ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3, out=_poisoned(q))
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, 0.3, None)
@@ -200,24 +201,6 @@ def test_decode_odd_head_dim_and_strided_query():
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, num_partitions=4, block_n=16, out=_poisoned(q)
     )
     _check_all(out, q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, d**-0.5, None)
-
-
-def test_decode_num_partitions_follows_the_batch_not_max_model_len():
-    """Splits fill the device at small batches and vanish at large ones; the tables' width
-    only caps them (one per MIN_PARTITION_TOKENS), so a graph's wide static tables give the
-    same plan as a step's narrow ones once the context allows it."""
-    f = ta.decode_num_partitions
-    assert f(1, 8, 32768, num_sms=132) == 64  # 528 programs wanted, 8 KV heads: 66 -> 64
-    assert f(1, 8, 2048, num_sms=132) == 8  # the context caps it: 2048 / 256
-    assert f(16, 8, 32768, num_sms=132) == 4
-    assert f(64, 8, 32768, num_sms=132) == 1  # 512 programs already: no split, no merge
-    assert f(256, 3, 1 << 20, num_sms=132) == 1
-    assert f(4, 3, 8192, num_sms=132) == 32  # 44 wanted -> 32 (a power of two)
-    assert f(1, 1, 1) == 1 and f(1, 1, 0) == 1
-    for s in (1, 2, 3, 5, 8, 13, 64, 200):
-        for ctx in (16, 300, 4096, 131072):
-            p = f(s, 4, ctx, num_sms=132)
-            assert p & (p - 1) == 0 and 1 <= p <= ta.MAX_PARTITIONS and (p == 1 or p * ta.MIN_PARTITION_TOKENS <= ctx)
 
 
 def test_decode_same_output_whatever_the_split():
@@ -413,7 +396,7 @@ def test_paged_attention_matches_twin_and_picks_the_kernel():
     k_cache, v_cache, tables = _cache(seq_lens, block_size, kv_heads, d, torch.float32, seed=70)
     meta = _meta_tensors(tables, seq_lens, [1, 1, 1], block_size)
     q = torch.randn(3, heads, d)
-    assert ta.decode_num_partitions(3, kv_heads, meta.block_tables.shape[1] * block_size) == 2
+    assert plan.decode_num_partitions(3, kv_heads, meta.block_tables.shape[1] * block_size) == 2
     out = ta.paged_attention(q, k_cache, v_cache, meta, d**-0.5)
     assert torch.equal(out, ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5))
     _check_all(out, q, k_cache, v_cache, tables, [1, 1, 1], seq_lens, d**-0.5, None)

@@ -15,7 +15,7 @@ import torch
 
 from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_bytes, plan_probes, profile_activations
-from draftwise.worker.model.graph_runner import GraphConfig
+from draftwise.worker.model.graph_shapes import GraphConfig
 from draftwise.worker.model.kv_cache import bytes_per_block
 from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.model.model_runner import ModelRunner
