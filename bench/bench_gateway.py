@@ -46,8 +46,8 @@ from draftwise.v1 import generate_service_pb2 as gspb  # noqa: E402
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc  # noqa: E402
 from draftwise.v1 import generation_pb2 as pb  # noqa: E402
 from draftwise.worker import SamplingParams, default_model_path  # noqa: E402
+from draftwise.worker.core.config import EngineConfig  # noqa: E402
 from draftwise.worker.engine.async_engine import AsyncEngine  # noqa: E402
-from draftwise.worker.engine.config import EngineConfig  # noqa: E402
 from draftwise.worker.engine.llm_engine import LLMEngine  # noqa: E402
 from draftwise.worker.text.tokenizer import load_tokenizer  # noqa: E402
 

@@ -27,7 +27,7 @@ CHILD = """
 import json, resource, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[2]))
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
 eng = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=64, max_model_len=1024, skip_tokenizer_init=True,

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Collection
 
 from draftwise.flagtable import Flag, config_values, table
-from draftwise.worker.engine.config import EngineConfig, as_flags, missing_paths
+from draftwise.worker.core.config import EngineConfig, as_flags, missing_paths
 
 ENGINE_INTERNAL: dict[str, str] = {}
 """EngineConfig fields without a flag, and why: none (every field is a flag of serve and worker)."""

@@ -75,7 +75,7 @@ def _generate_local(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from draftwise.worker.engine.containment import EngineDeadError
+    from draftwise.worker.core.containment import EngineDeadError
     from draftwise.worker.engine.llm_engine import LLMEngine
     from draftwise.worker.model.model_config import ModelLoadError
 

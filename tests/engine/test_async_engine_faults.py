@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from draftwise.worker import SamplingParams
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.async_engine import AsyncEngine, EngineDeadError
-from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 
 CONFIG = EngineConfig(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=16)

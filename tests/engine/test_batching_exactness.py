@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
 

@@ -137,7 +137,7 @@ def test_async_engine_streams_chat_like_llm_chat(llm: LLM, chat_dir: Path) -> No
     (ref,) = llm.chat(CONV, GREEDY, use_tqdm=False)
 
     async def run() -> list[int]:
-        from draftwise.worker.engine.config import EngineConfig
+        from draftwise.worker.core.config import EngineConfig
         from draftwise.worker.engine.llm_engine import LLMEngine
 
         aengine = AsyncEngine(LLMEngine(EngineConfig(model=chat_dir, **ENGINE)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from draftwise.worker import LLM, SamplingParams
-from draftwise.worker.engine.outputs import SpecStats
+from draftwise.worker.core.outputs import SpecStats
 
 PROMPT = "def fibonacci(n):"
 

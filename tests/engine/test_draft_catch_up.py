@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 
 from draftwise.worker import default_model_path
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.model.model_runner import SequenceChunk
 from draftwise.worker.sampling.sampling_params import SamplingParams

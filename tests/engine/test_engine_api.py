@@ -11,8 +11,8 @@ import torch
 from scipy import stats
 
 from draftwise.worker import LLM, SamplingParams
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.async_engine import AsyncEngine
-from draftwise.worker.engine.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

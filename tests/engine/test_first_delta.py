@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from draftwise.worker import SamplingParams
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.serving.proto_convert import responses_from_delta
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 ENGINE_STEPS = """
 import json, resource, sys
 from draftwise.worker.engine import llm_engine
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 calls = []
 real = llm_engine.retain_freed_memory

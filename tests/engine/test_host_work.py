@@ -28,7 +28,7 @@ from collections import Counter
 
 import pytest
 
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.model.block_tables import BlockTable, BlockTableRows, truncate_table
 from draftwise.worker.model.graph_runner import GraphRunner

@@ -18,7 +18,7 @@ import pytest
 from draftwise.kernels import dispatch
 from draftwise.kernels import launch_plan as plan
 from draftwise.kernels.launch_record import recording_launches
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
 

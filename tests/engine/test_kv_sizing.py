@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.engine.sizing import CPU_MAX_DEFAULT_KV_BYTES, cpu_default_kv_blocks
 from draftwise.worker.model.kv_cache import bytes_per_block

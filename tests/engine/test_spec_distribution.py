@@ -25,7 +25,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from draftwise.worker import default_model_path
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.tokenizer import load_tokenizer
@@ -26,7 +26,7 @@ def _code_ids() -> list[int]:
     tok = load_tokenizer(default_model_path("target"))
     text = "".join(
         (REPO / "worker" / name).read_text()
-        for name in ("engine/llm_engine.py", "engine/scheduler.py", "sampling/sampler.py")
+        for name in ("engine/llm_engine.py", "core/scheduler.py", "sampling/sampler.py")
     )
     return tok.encode(text)
 

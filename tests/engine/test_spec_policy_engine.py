@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draftwise.worker import default_model_path
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.tokenizer import load_tokenizer

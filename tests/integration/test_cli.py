@@ -162,7 +162,7 @@ def _check_parser(parser: argparse.ArgumentParser, cls: type, flags, missing: se
 
 def test_every_engine_config_field_is_a_flag_with_its_default_and_doc():
     from draftwise.cli.engine_flags import ENGINE_INTERNAL, GENERATE_DEFAULTS, GENERATE_SKIP, engine_flags
-    from draftwise.worker.engine.config import EngineConfig
+    from draftwise.worker.core.config import EngineConfig
     from draftwise.worker.serving.server import build_parser as worker_parser
 
     assert all(why for why in ENGINE_INTERNAL.values()) and all(why for why in GENERATE_SKIP.values())
@@ -205,7 +205,7 @@ def test_serve_passes_its_engine_flags_to_the_workers_exactly():
     serve checked; defaults are not passed at all."""
     from draftwise.cli.engine_flags import engine_config
     from draftwise.cli.serve import worker_argv
-    from draftwise.worker.engine.config import EngineConfig
+    from draftwise.worker.core.config import EngineConfig
     from draftwise.worker.serving.server import build_parser as worker_parser
 
     given = ["--max-num-seqs=4", "--no-enable-chunked-prefill", "--max-num-batched-tokens=4096"]

@@ -155,3 +155,48 @@ def test_a_planted_function_level_import_across_layers_is_found():
     torch_in_gateway = "import os\ndef f():\n    import torch.nn\n"
     found = _layer_violations({"draftwise.gateway.planted": (ROOT / "gateway" / "planted.py", torch_in_gateway)}, mods)
     assert found == ["draftwise.gateway.planted:3 imports torch.nn"], found
+
+
+WORKER_PACKAGES = ("core", "engine", "model", "sampling", "serving", "speculative", "text")
+
+
+def _worker_package(mod: str) -> str | None:
+    parts = mod.split(".")
+    if parts[:2] == ["draftwise", "worker"] and len(parts) > 3 and parts[2] in WORKER_PACKAGES:
+        return parts[2]
+    return None
+
+
+def _package_graph(sources: dict[str, tuple[Path, str]], mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Worker subpackage -> the worker subpackages its modules import (anywhere in a module:
+    module level, type checking and inside functions)."""
+    graph: dict[str, set[str]] = {p: set() for p in WORKER_PACKAGES}
+    for mod, (path, text) in sources.items():
+        src = _worker_package(mod)
+        if src is None:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for t in _targets(node, _package(mod, path), mods):
+                    dst = _worker_package(t if t in mods else t + ".x")
+                    if dst is not None and dst != src:
+                        graph[src].add(dst)
+    return graph
+
+
+def test_no_cycle_between_worker_packages():
+    mods = _modules()
+    assert {p.name for p in (ROOT / "worker").iterdir() if (p / "__init__.py").is_file()} == set(WORKER_PACKAGES)
+    graph = _package_graph({m: (p, p.read_text()) for m, p in mods.items()}, mods)
+    assert {"core", "speculative", "text"} <= graph["engine"]  # the check sees real arrows
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_a_planted_package_cycle_is_found():
+    mods = _modules()
+    sources = {m: (p, p.read_text()) for m, p in mods.items()}
+    planted = "def f():\n    from draftwise.worker.engine.llm_engine import LLMEngine\n"
+    sources["draftwise.worker.core.planted"] = (ROOT / "worker" / "core" / "planted.py", planted)
+    cycle = _cycle(_package_graph(sources, mods))
+    assert cycle is not None and "core" in cycle and "engine" in cycle, cycle

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from draftwise.worker.engine.block_manager import BlockManager, BlockPool, BlockPoolExhausted
+from draftwise.worker.core.block_manager import BlockManager, BlockPool, BlockPoolExhausted
 
 
 def test_allocate_release_refcounts():

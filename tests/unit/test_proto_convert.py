@@ -10,7 +10,7 @@ import pytest
 from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.streams import merge_delta
 from draftwise.v1 import generation_pb2 as pb
-from draftwise.worker.engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SpecStats
+from draftwise.worker.core.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SpecStats
 from draftwise.worker.serving.proto_convert import (
     events_from_delta,
     finished_from_delta,

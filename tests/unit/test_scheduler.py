@@ -3,9 +3,9 @@ chunked prefill, preemption of the newest request."""
 
 from __future__ import annotations
 
-from draftwise.worker.engine.block_manager import BlockManager
-from draftwise.worker.engine.request import Request, RequestStatus
-from draftwise.worker.engine.scheduler import Scheduler, SchedulerConfig
+from draftwise.worker.core.block_manager import BlockManager
+from draftwise.worker.core.request import Request, RequestStatus
+from draftwise.worker.core.scheduler import Scheduler, SchedulerConfig
 from draftwise.worker.sampling.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from draftwise.worker.engine.request import Request
+from draftwise.worker.core.request import Request
 from draftwise.worker.sampling.sampler import SamplingRow, apply_penalties
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.sampling.token_counts import TokenCounts

@@ -30,8 +30,8 @@ from typing import Any
 
 import structlog
 
+from draftwise.worker.core.outputs import RequestDelta, SpecStats, StepOutput
 from draftwise.worker.engine.llm_engine import EngineDeadError, LLMEngine
-from draftwise.worker.engine.outputs import RequestDelta, SpecStats, StepOutput
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt
 

@@ -1,7 +1,7 @@
 """Continuations: a request resubmitted with the output it already has (gateway failover).
 
 ``check_continuation`` validates the tokens against the request (ValueError with a message a
-person can act on); ``add_spec_counters`` carries the earlier speculation counters over."""
+person can act on); the earlier speculation counters are carried over by ``SpecDecoder.add``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from draftwise.worker.engine.outputs import SpecStats
     from draftwise.worker.sampling.sampling_params import SamplingParams
-    from draftwise.worker.speculative.policy import RequestSpecState
 
 
 def check_continuation(
@@ -48,11 +46,3 @@ def check_continuation(
             what = "a stop token id" if t in params.stop_token_ids else "EOS"
             raise ValueError(f"continuation is already finished: token {i} ({t}) is {what}, which ends the request")
     return ids
-
-
-def add_spec_counters(state: RequestSpecState, earlier: SpecStats) -> None:
-    """Add the counters of the output so far to a fresh request's speculation state (they are
-    reported cumulatively; the policy's acceptance window starts afresh)."""
-    state.proposed += earlier.proposed
-    state.accepted += earlier.accepted
-    state.verify_steps += earlier.verify_steps

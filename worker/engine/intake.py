@@ -11,8 +11,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftwise.worker.core.request import Request
 from draftwise.worker.engine.continuation import check_continuation
-from draftwise.worker.engine.request import Request
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.text.tokenizer import Tokenizer

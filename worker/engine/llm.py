@@ -16,9 +16,9 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
+from draftwise.worker.core.outputs import RequestOutput
 from draftwise.worker.engine.llm_engine import LLMEngine
-from draftwise.worker.engine.outputs import RequestOutput
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt
 from draftwise.worker.text.tokenizer import Tokenizer

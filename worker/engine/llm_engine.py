@@ -16,9 +16,9 @@ import structlog
 import torch
 
 from draftwise.logs import ensure_logging
-from draftwise.worker.engine.block_manager import BlockManager
-from draftwise.worker.engine.config import EngineConfig
-from draftwise.worker.engine.containment import (
+from draftwise.worker.core.block_manager import BlockManager
+from draftwise.worker.core.config import EngineConfig
+from draftwise.worker.core.containment import (
     EngineDeadError,
     Failure,
     contain,
@@ -26,11 +26,11 @@ from draftwise.worker.engine.containment import (
     is_step_fatal,
     isolate,
 )
+from draftwise.worker.core.outputs import SpecStats, StepOutput, StepStats
+from draftwise.worker.core.request import FinishReason, Request, RequestStatus
+from draftwise.worker.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.intake import Intake
-from draftwise.worker.engine.outputs import SpecStats, StepOutput, StepStats
-from draftwise.worker.engine.request import FinishReason, Request, RequestStatus
-from draftwise.worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from draftwise.worker.engine.sizing import batch_token_budget, capture_graphs, num_kv_blocks, warm_up_kernels
 from draftwise.worker.engine.step_data import StepReport, StepTokens, logit_rows
 from draftwise.worker.model.kv_cache import KVCache

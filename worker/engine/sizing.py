@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import structlog
 import torch
 
-from draftwise.worker.engine.config import EngineConfig
+from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_bytes, plan_probes, profile_activations
 from draftwise.worker.model.graph_shapes import GraphConfig
 from draftwise.worker.model.kv_cache import bytes_per_block

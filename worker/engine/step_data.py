@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftwise.worker.engine.outputs import RequestDelta, RequestOutput
-from draftwise.worker.engine.request import Request
-from draftwise.worker.engine.scheduler import ScheduledRequest
+from draftwise.worker.core.outputs import RequestDelta, RequestOutput
+from draftwise.worker.core.request import Request
+from draftwise.worker.core.scheduler import ScheduledRequest
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.speculative.decoder import Verified
 

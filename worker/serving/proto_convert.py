@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
-from draftwise.worker.engine.outputs import RequestDelta, SpecStats
+from draftwise.worker.core.outputs import RequestDelta, SpecStats
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt

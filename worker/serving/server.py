@@ -40,10 +40,10 @@ from draftwise.logs import configure_logging
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
+from draftwise.worker.core.config import EngineConfig, as_flags
+from draftwise.worker.core.outputs import StepOutput
 from draftwise.worker.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from draftwise.worker.engine.config import EngineConfig, as_flags
 from draftwise.worker.engine.llm_engine import LLMEngine
-from draftwise.worker.engine.outputs import StepOutput
 from draftwise.worker.model.model_config import ModelLoadError
 from draftwise.worker.serving.proto_convert import (
     continuation_from_proto,

@@ -17,7 +17,7 @@ decoding"); nothing in it calls back into the engine:
 
 Per request it keeps one record (:class:`SpecRequest`: the policy's state and counters, this
 step's drafts and their draft distributions, a k deferred while catching up); the proposer
-keeps its own per-request state. :class:`~draftwise.worker.engine.request.Request` holds none
+keeps its own per-request state. :class:`~draftwise.worker.core.request.Request` holds none
 of it.
 """
 
@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftwise.worker.engine.config import EngineConfig
-from draftwise.worker.engine.containment import Failure, contain, contain_each
-from draftwise.worker.engine.continuation import add_spec_counters
-from draftwise.worker.engine.outputs import SpecStats
-from draftwise.worker.engine.request import Request
+from draftwise.worker.core.config import EngineConfig
+from draftwise.worker.core.containment import Failure, contain, contain_each
+from draftwise.worker.core.outputs import SpecStats
+from draftwise.worker.core.request import Request
 from draftwise.worker.model.gguf import is_gguf_path
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_config import ModelLoadError
@@ -47,7 +46,7 @@ from draftwise.worker.speculative.proposer import Proposer
 from draftwise.worker.speculative.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
-    from draftwise.worker.engine.scheduler import ScheduledRequest
+    from draftwise.worker.core.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -161,8 +160,10 @@ class SpecDecoder:
         """Speculate for ``req`` (at most ``cap`` tokens a step; None: the policy's max), its
         counters starting from ``earlier`` (a continuation's)."""
         state = self.policy.new_state(cap)
-        if earlier is not None:
-            add_spec_counters(state, earlier)
+        if earlier is not None:  # reported cumulatively; the policy's acceptance window starts afresh
+            state.proposed += earlier.proposed
+            state.accepted += earlier.accepted
+            state.verify_steps += earlier.verify_steps
         self.requests[req.request_id] = SpecRequest(state)
 
     def stats(self, req: Request) -> SpecStats | None:

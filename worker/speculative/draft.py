@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.worker.engine.block_manager import BlockManager, BlockTable
-from draftwise.worker.engine.request import Request
+from draftwise.worker.core.block_manager import BlockManager, BlockTable
+from draftwise.worker.core.request import Request
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from draftwise.worker.speculative.proposer import Proposal, Proposer
 
 if TYPE_CHECKING:
-    from draftwise.worker.engine.request import Request
+    from draftwise.worker.core.request import Request
 
 __all__ = ["NgramProposer"]
 

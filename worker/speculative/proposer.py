@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from draftwise.worker.engine.request import Request
+    from draftwise.worker.core.request import Request
 
 __all__ = ["Proposal", "Proposer"]
 

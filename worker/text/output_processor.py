@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from draftwise.worker.engine.outputs import RequestDelta, RequestOutput, SpecStats
-from draftwise.worker.engine.request import FinishReason, Request
+from draftwise.worker.core.outputs import RequestDelta, RequestOutput, SpecStats
+from draftwise.worker.core.request import FinishReason, Request
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.detokenizer import IncrementalDetokenizer

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from draftwise.worker.engine.block_manager import BlockManager
-from draftwise.worker.engine.request import Request, RequestStatus
+from draftwise.worker.core.block_manager import BlockManager
+from draftwise.worker.core.request import Request, RequestStatus
 
 log = structlog.get_logger("draftwise.scheduler")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftwise.worker.engine.request import Request
+from draftwise.worker.core.request import Request
 from draftwise.worker.sampling.sampler import TokenLogprobs
 
 

@@ -14,7 +14,7 @@ import structlog
 import torch
 
 if TYPE_CHECKING:
-    from draftwise.worker.engine.request import Request
+    from draftwise.worker.core.request import Request
 
 log = structlog.get_logger("draftwise.engine")
 
