@@ -4,8 +4,9 @@ reads. A request's error is its own final event; the stream stays up.
 
 Ends: client half-close -> the in-flight requests finish, then OK. Client cancels the call
 (or its connection drops) -> every request that already sent its first delta (its resume
-handle) keeps running for the resume retention time, waiting for a ``ResumeGeneration``; the
-others are aborted (their worker calls cancelled). Server shutdown -> in-flight
+handle) is paused for the resume retention time (its admission slot given back, its worker
+call cancelled, its tokens kept), waiting for a ``ResumeGeneration``; the others are aborted
+(their worker calls cancelled). A ``cancel`` message aborts its request at once. Server shutdown -> in-flight
 requests finish (or are ended with UNAVAILABLE when the grace period runs out), then the
 call ends with UNAVAILABLE. A message that cannot be parsed (it has no request id to
 answer) -> the in-flight requests are aborted and the call ends with INVALID_ARGUMENT at
@@ -195,7 +196,8 @@ class MultiplexedStream:
                 )
             resume_relay(self.core, relay, self.outbox, rid, r.next_token_index)
         except RequestError as e:
-            self.outbox.put_final(rid, error_response(rid, e.code, e.message))
+            hint = self.core.admission.retry_after_ms if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else 0
+            self.outbox.put_final(rid, error_response(rid, e.code, e.message, hint))
             return
         assert relay is not None and relay.task is not None
         self.active[rid] = relay

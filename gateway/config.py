@@ -61,14 +61,16 @@ class GatewayConfig:
     """Times one request may move to another worker after it sent tokens (its worker died, hung or drained);
     one more failure ends it with UNAVAILABLE. 0: no mid-stream failover."""
     failover_stall_s: float = 30.0
-    """A worker call that has sent tokens and then sends nothing for this long is taken as hung: the request
-    moves elsewhere and the worker is out of rotation for as long."""
+    """A worker that answers none of its GetLoad polls for this long is taken as hung: its requests move to
+    another healthy worker (before or after their first token); with none, they wait on it. A worker busy
+    with a long step still answers its polls, so a slow step is never a hang."""
     failover_wait_s: float = 10.0
     """How long a request that must fail over waits for a healthy worker (the supervisor restarting one),
     within its deadline, before it ends with UNAVAILABLE."""
     resume_retention_s: float = 60.0
-    """How long a request whose client went away keeps running (and its replay buffer kept) for a
-    ``ResumeGeneration``; then it is cancelled and its KV freed. 0: not resumable (cancelled at once)."""
+    """How long a request whose client went away is kept, paused (no admission slot, no worker compute: its
+    worker call is cancelled), with its replay buffer for a ``ResumeGeneration``, which re-admits it and goes
+    on from its tokens; then it is forgotten. 0: not resumable (cancelled at once)."""
     resume_buffer_bytes: int = 1 << 20
     """Replay buffer cap of one request (serialized events); past it the request can no longer be resumed."""
     resume_buffer_total_bytes: int = 256 << 20

@@ -1,11 +1,18 @@
 """Failover: when a request leaves its worker, and how it continues on another.
 
 :func:`watch` runs after each round of load polls (the gateway registers it with the router)
-and moves requests off workers that drain and off calls that sent tokens and then nothing
-for ``failover_stall_s``. A request that has to go on elsewhere (its worker died, hung or
-drains) waits for a worker with :func:`pick` / :func:`wait_for_worker` and is resubmitted by
-:func:`prepare_failover` as a continuation: the tokens its client has, the same sampling
-parameters and the speculation counters so far, at the next index (see docs/serving.md).
+and moves requests off workers that drain and off workers that hang. A hang is judged on the
+worker, never on one request's silence: a worker hangs when it has answered no ``GetLoad``
+poll for ``failover_stall_s`` (a stopped or wedged process). A worker busy with a long engine
+step (a long prefill on a loaded machine) still answers its polls from its gRPC front, so
+however long a step takes its requests stay where they are. Requests move only when another
+healthy worker can take them: with nowhere to go they keep waiting on their call. A request
+that has to go on elsewhere (its worker died, hung or drains) waits for a worker with
+:func:`pick` / :func:`wait_for_worker`; one that had sent tokens is resubmitted by
+:func:`prepare_failover` as a continuation (:func:`as_continuation`: the tokens its client
+has, the same sampling parameters and the speculation counters so far, at the next index; see
+docs/serving.md), one that had not is simply sent again. A paused request (its client gone,
+kept for a resume) goes on the same way when it is resumed.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class Movable(Protocol):
     """Every output token its client has, in order."""
     spec: pb.SpeculationStats | None
     failovers: int
+    resubmits: int
+    """Times it was sent again as a continuation (failovers and resumes after a pause)."""
     prompt_tokens: int
     log: Any
 
@@ -46,22 +55,27 @@ class Movable(Protocol):
 
 
 def watch(core: Core) -> None:
-    """After each round of polls: move requests off workers that drain, and off calls that
-    sent tokens and then nothing for ``failover_stall_s`` (the worker is then kept out of
-    rotation as long)."""
+    """After each round of polls: move requests off workers that drain, and off workers that
+    answered no load poll for ``failover_stall_s`` (hung), in both cases only when another
+    healthy worker can take them."""
     now = time.monotonic()
     stall = core.config.failover_stall_s
+    router = core.router
+    hung = {w: w.silent_s(now) for w in router.workers if w.silent_s(now) > stall}
     for relay in list(core.relays):
         w = relay.call_worker
-        if w is None or relay.moving:
+        if w is None or relay.moving or not (w.load.draining or w in hung):
             continue
-        if w.load.draining and core.router.pick(relay.model, frozenset({w})) is not None:
-            # (with nowhere to go, the request finishes on the draining worker, as Drain promises)
+        if router.pick(relay.model, frozenset({w})) is None:
+            continue  # nowhere to go: finish on the draining worker (as Drain promises), wait on the silent one
+        if w in hung:
+            relay.move(
+                "stall",
+                f"worker {w.address} answered no load poll for {hung[w]:.0f}s (--failover-stall-s={stall:g}: "
+                f"hung?) after {relay.num_tokens} output tokens",
+            )
+        else:
             relay.move("drain", f"worker {w.address} is draining ({relay.num_tokens} output tokens sent)")
-        elif relay.num_tokens and now - relay.t_progress > stall:
-            reason = f"no progress for {stall:g}s"
-            core.router.report_stall(w, stall, f"a request made {reason} on it (hung?)")
-            relay.move("stall", f"worker {w.address} made {reason} after {relay.num_tokens} output tokens")
 
 
 def pick(relay: Movable, excluded: dict[WorkerHandle, Any]) -> WorkerHandle | None:
@@ -104,13 +118,7 @@ def prepare_failover(relay: Movable, w: WorkerHandle, reason: str, detail: str) 
             f"{relay.failovers} times (--max-failovers={cfg.max_failovers}): retry it",
         )
     relay.failovers += 1
-    start = relay.request.start
-    start.request_id = f"{relay.base_id}.{relay.failovers}"
-    cont = start.continuation
-    del cont.output_token_ids[:]
-    cont.output_token_ids.extend(relay.tokens)
-    if relay.spec is not None:
-        cont.speculation.CopyFrom(relay.spec)
+    as_continuation(relay)
     recomputed = relay.prompt_tokens + relay.num_tokens
     m = relay.core.metrics
     m.failovers.labels(reason).inc()
@@ -118,3 +126,17 @@ def prepare_failover(relay: Movable, w: WorkerHandle, reason: str, detail: str) 
     relay.log.warning(
         "failing over", worker=w.address, reason=reason, detail=detail, tokens=relay.num_tokens, n=relay.failovers
     )
+
+
+def as_continuation(relay: Movable) -> None:
+    """Rewrite the request to go on from the tokens its client has (same prompt and sampling
+    parameters, the speculation counters so far) under a fresh worker request id: ``base_id.n``
+    for its n-th resubmission (the worker may not have dropped the previous id yet)."""
+    relay.resubmits += 1
+    start = relay.request.start
+    start.request_id = f"{relay.base_id}.{relay.resubmits}"
+    cont = start.continuation
+    del cont.output_token_ids[:]
+    cont.output_token_ids.extend(relay.tokens)
+    if relay.spec is not None:
+        cont.speculation.CopyFrom(relay.spec)

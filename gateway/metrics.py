@@ -118,7 +118,7 @@ class GatewayMetrics:
         )
         self.resumes = Counter(
             "draftwise_resumes",
-            "ResumeGeneration requests by outcome (ok, not_found, invalid_argument)",
+            "ResumeGeneration requests by outcome (ok, not_found, invalid_argument, resource_exhausted)",
             ["outcome"],
             registry=r,
         )

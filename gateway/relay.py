@@ -3,15 +3,18 @@ event to the client stream's :class:`Outbox` (never waiting on the client), and 
 exactly one final event (finished or error) whatever happens.
 
 A worker that turns out to be unreachable before the request produced anything is taken
-out of rotation and the request retried on another. Once tokens reached the client, a worker
-that dies, hangs (no progress for ``failover_stall_s``) or drains makes the request fail
-over (:mod:`draftwise.gateway.failover`): it is resubmitted elsewhere with the tokens sent so
-far as its continuation, the same sampling parameters and the remaining deadline, and
-relaying goes on at the next index (see docs/serving.md).
+out of rotation and the request retried on another, and so is one that hangs (answers no
+load poll for ``failover_stall_s``) before the first token. Once tokens reached the client, a
+worker that dies, hangs or drains makes the request fail over
+(:mod:`draftwise.gateway.failover`): it is resubmitted elsewhere with the tokens sent so far as
+its continuation, the same sampling parameters and the remaining deadline, and relaying goes
+on at the next index (see docs/serving.md).
 
 Every request also gets a resume handle on its first delta and a replay buffer
-(:mod:`draftwise.gateway.resumption`): when its client goes away it keeps running for
-``resume_retention_s`` so that a ``ResumeGeneration`` can pick it up.
+(:mod:`draftwise.gateway.resumption`): when its client goes away it is *paused* for
+``resume_retention_s`` (:meth:`Relay.pause`): its admission slot is given back and its worker
+call cancelled (the worker frees its KV), its tokens kept; a ``ResumeGeneration`` re-admits it
+and it goes on as a continuation on any worker.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import structlog
 from draftwise.gateway.admit import Admitted
 from draftwise.gateway.core import Core
 from draftwise.gateway.errors import MAX_DETAILS_CHARS, RequestError, clip, error_response
-from draftwise.gateway.failover import pick, prepare_failover, wait_for_worker
+from draftwise.gateway.failover import as_continuation, pick, prepare_failover, wait_for_worker
 from draftwise.gateway.replay import new_handle
 from draftwise.gateway.resumption import Resumable
 from draftwise.gateway.router import WorkerHandle
@@ -37,6 +40,8 @@ from draftwise.v1 import worker_service_pb2 as wpb
 
 log = structlog.get_logger("draftwise.gateway.relay")
 
+PAUSE = "pause"
+"""The reason ``_call`` returns when :meth:`Relay.pause` stopped the worker call."""
 _FINISH_STATUS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
@@ -47,7 +52,7 @@ def _being_cancelled() -> bool:
 
 
 class Relay(Resumable):
-    """Runs one admitted request (its admission slot is released when it ends)."""
+    """Runs one admitted request (its admission slot is released when it ends or pauses)."""
 
     def __init__(
         self,
@@ -74,6 +79,8 @@ class Relay(Resumable):
         self.t_last = 0.0
         self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
         self.failovers = 0
+        self.resubmits = 0  # continuations sent (failovers and resumes after a pause)
+        self._holding = False  # holds its admission slot, counts in core.relays and the in-flight gauge
         # the worker call in progress (None between attempts), and a move asked of it
         self.call_worker: WorkerHandle | None = None
         self._call_obj: grpc.aio.UnaryStreamCall | None = None
@@ -97,10 +104,32 @@ class Relay(Resumable):
         return self._task
 
     def start(self) -> asyncio.Task[None]:
-        self.core.relays.add(self)
-        self.core.metrics.in_flight.inc()
+        self._hold(True)  # the slot of its admission ticket
         self._task = asyncio.create_task(self._run(), name=f"relay-{self.request_id}")
         return self._task
+
+    def _hold(self, on: bool) -> None:
+        """Take (``on``: its slot already acquired) or give back what a running request holds:
+        its admission slot, its place among the requests in flight (watched for failover,
+        waited for at shutdown) and its count in the in-flight gauge."""
+        if on == self._holding:
+            return
+        self._holding = on
+        core = self.core
+        if on:
+            core.relays.add(self)
+            core.metrics.in_flight.inc()
+        else:
+            core.admission.release()
+            core.relays.discard(self)
+            core.metrics.in_flight.dec()
+
+    def _stop_call(self) -> None:
+        """Cancel the worker call in progress for a pause (the worker aborts the request and
+        frees its KV blocks); none between calls, where the attempt loop checks ``paused``."""
+        if self._call_obj is not None and self._move is None:
+            self._move = (PAUSE, "its client went away")
+            self._call_obj.cancel()
 
     @property
     def done(self) -> bool:
@@ -156,9 +185,7 @@ class Relay(Resumable):
             self._final_status("cancelled")  # no-op when already set
             if not self.detached:  # else kept for a resume until it expires
                 self._unregister("it finished")
-            self.core.admission.release()
-            self.core.relays.discard(self)
-            self.core.metrics.in_flight.dec()
+            self._hold(False)
             self.core.metrics.e2e_latency.observe(time.perf_counter() - self.t0)
             self.log.info(
                 "request finished",
@@ -175,6 +202,8 @@ class Relay(Resumable):
         excluded: dict[WorkerHandle, Any] = {}
         last_failure = ""
         while True:
+            if self._paused:  # no worker call until a resume
+                await self._go_on()
             w = pick(self, excluded)
             if w is None:
                 if not self.num_tokens:  # nothing sent yet: the client may simply retry
@@ -183,6 +212,8 @@ class Relay(Resumable):
                         f"no healthy worker serves model {self.model!r} ({self.core.router.describe()}); retry shortly",
                     )
                 w = await wait_for_worker(self, excluded, last_failure)
+                if self._paused:  # (its client went away meanwhile)
+                    continue
             excluded[w] = w.channel
             self.worker = w
             w.in_flight += 1
@@ -192,9 +223,22 @@ class Relay(Resumable):
                 w.in_flight -= 1
             if failed is None:
                 return
+            if failed[0] == PAUSE:  # not the worker's fault: it may take the request again
+                del excluded[w]
+                await self._go_on()
+                continue
             last_failure = failed[1]
             if self.num_tokens:
                 prepare_failover(self, w, *failed)
+            else:
+                self.log.warning("retrying on another worker", worker=w.address, reason=failed[0], detail=failed[1])
+
+    async def _go_on(self) -> None:
+        """Wait for the resume of a paused request (at once when it came already), then go on
+        from the tokens so far as a continuation, under a fresh worker request id."""
+        await self._resumed.wait()
+        as_continuation(self)
+        self.log.info("going on after a pause", tokens=self.num_tokens, id=self.request.start.request_id)
 
     # ------------------------------------------------------------------ one worker call
 
@@ -218,7 +262,7 @@ class Relay(Resumable):
                 if kind == "delta":
                     self._relay_delta(w, resp)
                 elif kind == "finished":
-                    if self.failovers:
+                    if self.resubmits:
                         self._fix_timings(event.finished.timings)
                     self.core.metrics.observe_finished(event.finished)
                     self._final_status(_FINISH_STATUS.get(event.finished.finish_reason, "stop"))
@@ -302,7 +346,7 @@ class Relay(Resumable):
             self.buffer.set_final(resp)
 
     def _fix_timings(self, t: pb.Timings) -> None:
-        """After a failover the worker's timings start at its own arrival: report the whole
+        """After a failover or a pause the worker's timings start at its own arrival: report the whole
         request's instead (queue time as the first worker saw it; the rest on the gateway's clock)."""
         t.queue_ms = self.queue_ms
         t.time_to_first_token_ms = (self.t_first - self.t0) * 1000 if self.t_first else 0.0
@@ -315,8 +359,6 @@ class Relay(Resumable):
             self.core.metrics.engine_errors.labels(w.name).inc()
         if code == S.UNAVAILABLE:
             self.core.router.report_failure(w, f"Generate failed: {details}")
-            if self.num_tokens == 0:
-                self.log.warning("worker unavailable, retrying elsewhere", worker=w.address, details=details)
             return (
                 "unavailable",
                 f"worker {w.address} became unavailable after {self.num_tokens} output tokens ({details})",

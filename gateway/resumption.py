@@ -1,12 +1,16 @@
 """Resumable requests: a request outlives its client stream.
 
 Every request relayed with a replay buffer (:mod:`draftwise.gateway.replay`) gets a resume
-handle on its first delta. When its client goes away (:meth:`Resumable.client_gone`) it keeps
-running, its events kept, for ``resume_retention_s``; a ``ResumeGeneration`` with the handle
-and the index of the next token wanted (:func:`resume_relay`) replays what the client missed
-into the new stream and goes on live there. A resume on another stream while the old one is
-still open takes the request over (the old stream gets ABORTED). Without a resume in time the
-request is cancelled and forgotten.
+handle on its first delta. When its client goes away (:meth:`Resumable.client_gone`) it is
+paused for ``resume_retention_s``: it gives back its admission slot and its worker call is
+cancelled (the worker frees its KV blocks), while its events stay in the buffer. A
+``ResumeGeneration`` with the handle and the index of the next token wanted
+(:func:`resume_relay`) re-admits it (RESOURCE_EXHAUSTED, as for a new request, when every slot
+is taken), replays what the client missed into the new stream and goes on live there, as a
+continuation of the tokens so far on any worker (randomness is a function of seed and
+position: greedy and seeded requests go on exactly). A resume on another stream while the old
+one is still open takes the request over (the old stream gets ABORTED). Without a resume in
+time the request is cancelled and forgotten.
 """
 
 from __future__ import annotations
@@ -40,9 +44,17 @@ def resume_relay(core: Core, relay: InFlight | None, outbox: Outbox, request_id:
         relay.resume(outbox, request_id, next_token_index)
     except ResumeError as e:
         resumes.labels(e.code).inc()
-        code = grpc.StatusCode.NOT_FOUND if e.code == "not_found" else grpc.StatusCode.INVALID_ARGUMENT
-        raise RequestError(code, e.message) from None
+        raise RequestError(_RESUME_CODES[e.code], e.message) from None
     resumes.labels("ok").inc()
+
+
+_RESUME_CODES = {
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+"""The status of a resume refused for each ResumeError code (RESOURCE_EXHAUSTED: no admission
+slot for a paused request; the caller adds the retry hint)."""
 
 
 class Resumable(ABC):
@@ -63,6 +75,9 @@ class Resumable(ABC):
         if core.config.resume_retention_s > 0:
             self.buffer = ReplayBuffer(core.replay_budget, core.config.resume_buffer_bytes, num_tokens=num_tokens)
         self._expiry: asyncio.TimerHandle | None = None
+        # while its client is gone (kept for a resume): no slot, no worker call; set when resumed
+        self._paused = False
+        self._resumed = asyncio.Event()
         self.on_takeover: Callable[[], None] | None = None
         """Called when a resume on another stream takes this request over (its stream forgets it)."""
 
@@ -85,14 +100,48 @@ class Resumable(ABC):
     def cancel(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, message: str = "") -> None:
         """End the request now (its worker call is cancelled)."""
 
+    @abstractmethod
+    def _hold(self, on: bool) -> None:
+        """Take (``on``: its slot already acquired) or give back its admission slot and its
+        place among the requests in flight."""
+
+    @abstractmethod
+    def _stop_call(self) -> None:
+        """Cancel its worker call in progress, if any (the worker frees the request's KV)."""
+
+    @property
+    def paused(self) -> bool:
+        """Whether it is paused (no admission slot, no worker call) until a resume."""
+        return self._paused
+
+    def pause(self) -> None:
+        """Its client went away and it is kept for a resume: give back its admission slot and
+        stop its worker call; the tokens so far stay (:meth:`unpause` goes on from them)."""
+        if self._paused or self.done or self.cancelling:
+            return
+        self._paused = True
+        self._resumed.clear()
+        self._hold(False)
+        self._stop_call()
+        self.log.info("paused", tokens=self.num_tokens)
+
+    def unpause(self) -> None:
+        """Go on after a pause (the caller acquired an admission slot for it)."""
+        if not self._paused:
+            return
+        self._paused = False
+        self._hold(True)
+        self._resumed.set()
+
     @property
     def detached(self) -> bool:
         """Whether it is kept for a resume (its client gone, the retention time running)."""
         return self._expiry is not None
 
     def client_gone(self, outbox: Outbox) -> None:
-        """The client stream behind ``outbox`` went away. A resumable request keeps running,
-        its events kept for a resume, for ``resume_retention_s``; any other is cancelled."""
+        """The client stream behind ``outbox`` went away. A resumable request is paused (it
+        holds no admission slot and no worker compute), its events kept for a resume, for
+        ``resume_retention_s``; any other is cancelled."""
         if self.outbox is not outbox or self.done or self.cancelling:
             return
         buf = self.buffer
@@ -104,6 +153,7 @@ class Resumable(ABC):
         self._expiry = asyncio.get_running_loop().call_later(retention, self._expire)
         self.core.metrics.detached.inc()
         self.log.info("client gone; request kept for a resume", tokens=self.num_tokens, retention_s=retention)
+        self.pause()
 
     def _expire(self) -> None:
         """Retention passed without a resume: cancel the request (its KV is freed), forget it."""
@@ -115,9 +165,15 @@ class Resumable(ABC):
 
     def resume(self, outbox: Outbox, request_id: str, next_token_index: int) -> None:
         """Send the events from ``next_token_index`` on into ``outbox`` as ``request_id``, then
-        the live rest. ResumeError when that index is not a boundary or beyond what was produced."""
+        the live rest (a paused request takes an admission slot and goes on). ResumeError when
+        that index is not a boundary or beyond what was produced, or when a paused request finds
+        no free slot (it stays paused: the client may retry within the retention time)."""
         assert self.buffer is not None  # only buffered requests are registered
         events = self.buffer.replay(next_token_index, request_id)
+        admission = self.core.admission
+        restart = self.paused and not self.done
+        if restart and not admission.try_acquire():
+            raise ResumeError("resource_exhausted", admission.rejection())
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -140,6 +196,8 @@ class Resumable(ABC):
         for r in events:
             outbox.put_replay(request_id, r)
         self.log.info("resumed", next_token_index=next_token_index, replayed=len(events), done=self.done)
+        if restart:
+            self.unpause()
         if self.done:
             self._unregister("it finished and its events were delivered")
 

@@ -35,7 +35,8 @@ from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, 
 log = structlog.get_logger("draftwise.gateway.router")
 
 SLOW_POLLS_BEFORE_DOWN = 3
-"""Consecutive GetLoad timeouts after which a worker that still accepts connections is taken out."""
+"""Consecutive GetLoad timeouts after which a worker that still accepts connections is taken out
+(unless no other healthy worker serves its model: the last one is never taken out for being slow)."""
 
 NOT_POLLED = "not polled yet"
 """Why a worker is down before its first poll answered."""
@@ -75,9 +76,16 @@ class WorkerHandle:
     in_flight: int = 0  # this gateway's requests on it
     last_error: str = NOT_POLLED
     last_poll: float = 0.0
+    """Monotonic time of its last answered GetLoad (or of its (re)start, before the first answer)."""
     slow_polls: int = 0  # consecutive GetLoad timeouts
-    stalled_until: float = 0.0  # a request saw no progress on it: out of rotation until then (monotonic)
+    answering: bool = True  # whether its latest GetLoad poll was answered
     retired: bool = False  # discovery no longer lists it: out of rotation, dropped once idle
+
+    def silent_s(self, now: float) -> float:
+        """Seconds since it last answered a GetLoad poll. A worker busy with a long engine step
+        still answers (its gRPC front never waits on the engine); one that answers nothing (a
+        stopped or hung process) grows silent."""
+        return 0.0 if self.answering or not self.last_poll else now - self.last_poll
 
     def score(self) -> tuple[int, int, float]:
         """Lower is less loaded."""
@@ -179,6 +187,7 @@ class Router:
             setattr(w, key, value)
         w.load = wpb.GetLoadResponse()
         w.slow_polls = 0
+        w.answering, w.last_poll = True, time.monotonic()  # silent only from here on
         self._set_healthy(w, False, NOT_POLLED)
         log.info("worker address replaced", worker=name, old=old_address, new=address)
         self._spawn(old.close(OLD_CHANNEL_GRACE_S))
@@ -196,6 +205,7 @@ class Router:
                 self._spawn(self._poll(w))
                 return w
         w = WorkerHandle(name=name, **_connect(address, self._metadata))
+        w.last_poll = time.monotonic()
         self.workers.append(w)
         self._set_healthy(w, False, NOT_POLLED)
         log.info("worker added", worker=name, address=address)
@@ -253,17 +263,30 @@ class Router:
         except grpc.aio.AioRpcError as e:
             if channel is not w.channel:  # the address changed meanwhile: this answer is stale
                 return
+            w.answering = False
             w.slow_polls += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             reason = f"GetLoad failed: {e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                 reason += " (give the gateway the workers' --internal-secret-file)"
-            # unreachable: out at once; merely slow (a busy machine): out after a few misses
-            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.slow_polls >= SLOW_POLLS_BEFORE_DOWN:
+            # unreachable: out at once; merely slow (a busy machine): out after a few misses, and
+            # only while another worker can take its model's requests (never the last one)
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._set_healthy(w, False, reason)
+            elif w.slow_polls >= SLOW_POLLS_BEFORE_DOWN and w.healthy:
+                if self.others_up(w):
+                    self._set_healthy(w, False, reason)
+                elif w.slow_polls == SLOW_POLLS_BEFORE_DOWN:
+                    log.warning(
+                        "worker not answering load polls; kept in rotation: no other worker serves its model",
+                        worker=w.name,
+                        address=w.address,
+                        reason=reason,
+                    )
             return
         if channel is not w.channel:
             return
         w.slow_polls = 0
+        w.answering = True
         w.load = load
         w.model = load.model
         w.last_poll = time.monotonic()
@@ -282,9 +305,6 @@ class Router:
         m.worker_running.labels(w.name).set(load.num_requests_running)
         m.worker_waiting.labels(w.name).set(load.num_requests_waiting)
         m.worker_tokens_per_second.labels(w.name).set(load.tokens_per_second)
-        if w.stalled_until > time.monotonic():
-            self._set_healthy(w, False, "a request made no progress on it (hung?)")
-            return
         if w.retired:
             self._set_healthy(w, False, w.last_error)
             return
@@ -309,11 +329,9 @@ class Router:
         """A call to ``w`` failed as if it were gone: out of rotation until a poll answers."""
         self._set_healthy(w, False, reason)
 
-    def report_stall(self, w: WorkerHandle, for_s: float, reason: str) -> None:
-        """A request made no progress on ``w``: out of rotation for ``for_s`` seconds (its
-        polls may still answer while its engine hangs)."""
-        w.stalled_until = time.monotonic() + for_s
-        self._set_healthy(w, False, reason)
+    def others_up(self, w: WorkerHandle) -> bool:
+        """Whether a healthy worker other than ``w`` serves ``w``'s model."""
+        return any(x.healthy and x is not w and x.model == w.model for x in self.workers)
 
     @property
     def serving(self) -> bool:

@@ -107,7 +107,8 @@ class GenerateServicer:
             resume_relay(core, relay, outbox, rid, r.next_token_index)
         except RequestError as e:
             core.metrics.requests.labels(e.code.name.lower()).inc()
-            await context.abort(e.code, e.message)
+            at_capacity = e.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # a paused request found no slot
+            await context.abort(e.code, e.message, core.admission.trailing_metadata() if at_capacity else ())
         assert relay is not None
         relay.on_takeover = outbox.close
         async for resp in _events(relay, outbox, context):

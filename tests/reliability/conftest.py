@@ -1,9 +1,10 @@
 """Processes and checks shared by the reliability suites: a plain worker and a speculating
 worker (the embedded draft model) of the embedded default model, each behind its own
 gateway so that a test can aim traffic at one of them, started once per module. The gateways
-keep no request for a resume (``--resume-retention-s=0``): a request whose client went away
-(disconnected, or past its deadline) is cancelled at once, so that the workers' idleness
-after a suite depends on nothing but cancellation."""
+run with the flags of the module's ``GATEWAY_FLAGS`` (default: ``--resume-retention-s=0``, a
+request whose client went away is cancelled at once); with the default retention a request
+whose client went away is kept for a resume, paused: it holds no worker compute either, so the
+workers' idleness after a suite depends on nothing but cancellation and pausing."""
 
 from __future__ import annotations
 
@@ -69,13 +70,14 @@ def start_worker(name: str, tmp: Path, extra: Sequence[str] = ()) -> Proc:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp(f"rel-{request.module.__name__.rsplit('.', 1)[-1]}")
+    flags = getattr(request.module, "GATEWAY_FLAGS", ("--resume-retention-s=0",))
     workers = {name: start_worker(f"worker-{name}", tmp, extra) for name, extra in WORKER_KINDS.items()}
     gateways: dict[str, Proc] = {}
     try:
         for w in workers.values():
             w.wait_ready()
         for name, w in workers.items():
-            gateways[name] = start_gateway([w], tmp, f"gateway-{name}", "--resume-retention-s=0")
+            gateways[name] = start_gateway([w], tmp, f"gateway-{name}", *flags)
         yield Stack(workers, gateways, {name: w.popen.pid for name, w in workers.items()})
     finally:
         for g in gateways.values():
