@@ -58,8 +58,9 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0
     """On shutdown, how long in-flight requests may run before they end with UNAVAILABLE."""
     max_failovers: int = 2
-    """Times one request may move to another worker after it sent tokens (its worker died, hung or drained);
-    one more failure ends it with UNAVAILABLE. 0: no mid-stream failover."""
+    """Times in a row one request may move to another worker after it sent tokens (its worker died, hung or
+    drained) with no token from the worker it moved to; one more failure ends it with UNAVAILABLE (a token
+    from the new worker resets the count). 0: no mid-stream failover."""
     failover_stall_s: float = 30.0
     """A worker that answers none of its GetLoad polls for this long is taken as hung: its requests move to
     another healthy worker (before or after their first token); with none, they wait on it. A worker busy

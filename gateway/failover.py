@@ -45,6 +45,11 @@ class Movable(Protocol):
     """Every output token its client has, in order."""
     spec: pb.SpeculationStats | None
     failovers: int
+    """Times it moved to another worker after it sent tokens."""
+    fruitless_moves: int
+    """Moves in a row after which its new worker sent no token (reset by a token)."""
+    tokens_at_move: int
+    """Output tokens it had when it last moved."""
     resubmits: int
     """Times it was sent again as a continuation (failovers and resumes after a pause)."""
     prompt_tokens: int
@@ -108,15 +113,22 @@ async def wait_for_worker(relay: Movable, excluded: dict[WorkerHandle, Any], why
 
 
 def prepare_failover(relay: Movable, w: WorkerHandle, reason: str, detail: str) -> None:
-    """Resubmit the request with what the client has as its continuation, or end it
-    UNAVAILABLE once it has failed over ``max_failovers`` times."""
+    """Resubmit the request with what the client has as its continuation, or end it UNAVAILABLE
+    once it has moved ``max_failovers`` times in a row without a token from the worker it moved
+    to: a request that makes progress on each worker it lands on may move as often as workers
+    fail (each move then delivered a token, so max_tokens bounds them)."""
     cfg = relay.core.config
-    if relay.failovers >= cfg.max_failovers:
+    if relay.num_tokens > relay.tokens_at_move:  # the worker it leaves sent tokens: progress
+        relay.fruitless_moves = 0
+    if relay.fruitless_moves >= cfg.max_failovers:
         raise RequestError(
             grpc.StatusCode.UNAVAILABLE,
             f"{detail}; {relay.num_tokens} output tokens were delivered and the request had already moved "
-            f"{relay.failovers} times (--max-failovers={cfg.max_failovers}): retry it",
+            f"{relay.fruitless_moves} times in a row with no token from the worker it moved to "
+            f"(--max-failovers={cfg.max_failovers}): retry it",
         )
+    relay.fruitless_moves += 1
+    relay.tokens_at_move = relay.num_tokens
     relay.failovers += 1
     as_continuation(relay)
     recomputed = relay.prompt_tokens + relay.num_tokens
@@ -124,7 +136,13 @@ def prepare_failover(relay: Movable, w: WorkerHandle, reason: str, detail: str) 
     m.failovers.labels(reason).inc()
     m.failover_recomputed_tokens.inc(recomputed)
     relay.log.warning(
-        "failing over", worker=w.address, reason=reason, detail=detail, tokens=relay.num_tokens, n=relay.failovers
+        "failing over",
+        worker=w.address,
+        reason=reason,
+        detail=detail,
+        tokens=relay.num_tokens,
+        n=relay.failovers,
+        fruitless=relay.fruitless_moves - 1,
     )
 
 

@@ -79,6 +79,8 @@ class Relay(Resumable):
         self.t_last = 0.0
         self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
         self.failovers = 0
+        self.fruitless_moves = 0  # moves in a row with no token from the worker moved to
+        self.tokens_at_move = 0
         self.resubmits = 0  # continuations sent (failovers and resumes after a pause)
         self._holding = False  # holds its admission slot, counts in core.relays and the in-flight gauge
         # the worker call in progress (None between attempts), and a move asked of it
