@@ -1,5 +1,6 @@
-"""Checks the gateway makes before routing a request (the worker checks the rest: sampling
-parameters, prompt length in tokens, ...)."""
+"""Checks the gateway makes before routing a request: the model, the prompt's shape and the
+sampling parameters (:mod:`draftwise.gateway.sampling_check`); the worker checks the rest (the
+prompt's length in tokens, prompt + max_tokens against the context, ...)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from google.protobuf.message import DecodeError, Message
 
 from draftwise.gateway.core import Core
 from draftwise.gateway.errors import RequestError, clip
+from draftwise.gateway.sampling_check import check_sampling
 from draftwise.v1 import generation_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -43,7 +45,9 @@ def parse_request(data: bytes, message_type: type[M], max_bytes: int) -> M:
 
 def validate_start(core: Core, start: pb.StartGeneration) -> str:
     """The model to serve ``start`` with; RequestError (INVALID_ARGUMENT, UNAVAILABLE) when
-    it cannot be served."""
+    it cannot be served. Sampling parameters are checked first: a bad one is INVALID_ARGUMENT
+    even while no worker is up."""
+    check_sampling(start.sampling_params, start.speculation if start.HasField("speculation") else None)
     models = core.router.models()
     model = start.model or core.default_model()
     if model is None:

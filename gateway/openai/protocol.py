@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftwise.chat_content import text_content
+from draftwise.gateway.sampling_check import FieldError, check_sampling
 from draftwise.v1 import generation_pb2 as pb
 
 MAX_STOP = 16
 """Most stop strings one request may carry."""
+MAX_PROMPTS = 64
+"""Most prompts one ``/v1/completions`` request may batch (each takes an admission slot)."""
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds the contract carries (int64)."""
 
@@ -73,6 +76,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: bool  # chat: logprobs requested; completions: logprobs is not None
+    starts: tuple[pb.StartGeneration, ...] = ()
+    """Completions with a list of prompts: one request per prompt (choice ``index`` i); else empty."""
 
 
 def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
@@ -80,7 +85,7 @@ def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"{name} must be an integer, got {v!r:.40}", name)
+        raise ApiError(400, f"{name} must be an integer, got {_show(v)}", name)
     if v < lo or (hi is not None and v > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ApiError(400, f"{name} must be {bound}, got {v}", name)
@@ -91,8 +96,12 @@ def _float(body: dict[str, Any], name: str) -> float | None:
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise ApiError(400, f"{name} must be a number, got {v!r:.40}", name)
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        ok = False
+    if not ok:
+        raise ApiError(400, f"{name} must be a number (finite), got {_show(v)}", name)
     return float(v)
 
 
@@ -101,7 +110,7 @@ def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(400, f"{name} must be true or false, got {v!r:.40}", name)
+        raise ApiError(400, f"{name} must be true or false, got {_show(v)}", name)
     return v
 
 
@@ -150,13 +159,31 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> pb.Sam
         sp.stop.extend(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ApiError(400, "stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        if not isinstance(ids, list) or not all(_token_id(t) for t in ids):
+            raise ApiError(
+                400, f"stop_token_ids must be a list of integers in [0, {2**32}) (token ids)", "stop_token_ids"
+            )
         sp.stop_token_ids.extend(ids)
     sp.ignore_eos = _bool(body, "ignore_eos")
     if body.get("skip_special_tokens") is not None:
         sp.skip_special_tokens = _bool(body, "skip_special_tokens")
+    try:
+        check_sampling(sp)  # the gateway's shared check (the worker's ranges), naming the field
+    except FieldError as e:
+        raise ApiError(400, e.message, e.param) from None
     return sp
+
+
+def _token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+
+
+def _show(v: object) -> str:
+    """A short repr of an offending value (a huge integer is not converted to text)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -170,9 +197,36 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return _bool(opts, "include_usage")
 
 
+def check_text(body: object) -> None:
+    """ApiError(400) naming the field of the first string (or key) that is not valid Unicode text:
+    JSON's ``\\ud800`` escapes decode to lone surrogates, which no UTF-8 encoder takes."""
+    todo: list[tuple[object, str]] = [(body, "")]
+    while todo:
+        v, where = todo.pop()
+        if isinstance(v, str):
+            _utf8(v, where)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                _utf8(k, f"{where}.<key>".lstrip("."))
+                todo.append((item, f"{where}.{k}".lstrip(".")))
+        elif isinstance(v, list):
+            todo.extend((item, f"{where}[{i}]") for i, item in enumerate(v))
+
+
+def _utf8(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = where.encode("utf-8", "backslashreplace").decode() or None
+        raise ApiError(
+            400, f"{param or 'the body'} is not valid Unicode text: a lone surrogate at character {e.start}", param
+        ) from None
+
+
 def _common(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_text(body)
     _refuse_unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -181,25 +235,18 @@ def _common(body: object) -> dict[str, Any]:
 
 
 def parse_completion(raw: object) -> ParsedRequest:
-    """A ``/v1/completions`` body; ApiError(400) naming the field that is wrong."""
+    """A ``/v1/completions`` body; ApiError(400) naming the field that is wrong. A list of
+    prompts (strings or lists of token ids) is a batch: ``starts`` holds one request per prompt."""
     body = _common(raw)
     if _bool(body, "echo"):
         raise ApiError(400, "echo is not supported", "echo")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "prompt is empty", "prompt")
-        p = pb.Prompt(text=prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(t < 0 or t >= 2**32 for t in prompt):
-            raise ApiError(400, "prompt token ids must be non-negative integers", "prompt")
-        p = pb.Prompt(token_ids=pb.TokenIds(ids=prompt))
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, f"prompt holds {len(prompt)} prompts: send one prompt per request", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+        prompts = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+        prompts = [_prompt(prompt, "prompt")]
     sp = _sampling(body, ("max_tokens",))
     if not sp.HasField("max_tokens"):
         sp.max_tokens = 16  # OpenAI's default for completions
@@ -207,8 +254,23 @@ def parse_completion(raw: object) -> ParsedRequest:
     if lp is not None:
         sp.logprobs = lp
     stream = _bool(body, "stream")
-    start = pb.StartGeneration(model=body.get("model") or "", prompt=p, sampling_params=sp)
-    return ParsedRequest(start, stream, _stream_options(body, stream), lp is not None)
+    model = body.get("model") or ""
+    starts = tuple(pb.StartGeneration(model=model, prompt=p, sampling_params=sp) for p in prompts)
+    return ParsedRequest(starts[0], stream, _stream_options(body, stream), lp is not None, starts)
+
+
+def _prompt(prompt: object, where: str) -> pb.Prompt:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, f"{where} is empty", where)
+        return pb.Prompt(text=prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(_token_id(t) for t in prompt):
+            raise ApiError(400, f"{where}: token ids must be non-negative integers below 2**32", where)
+        return pb.Prompt(token_ids=pb.TokenIds(ids=prompt))
+    raise ApiError(
+        400, f"{where} must be a non-empty string or a list of token ids (or a list of those: a batch)", where
+    )
 
 
 def parse_chat(raw: object) -> ParsedRequest:

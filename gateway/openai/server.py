@@ -20,15 +20,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import prometheus_client
 import structlog
 from aiohttp import web
 
 from draftwise.gateway.admit import Admitted, Refused, Why, admit
 from draftwise.gateway.core import Core
-from draftwise.gateway.errors import RequestError
+from draftwise.gateway.errors import RequestError, clip
 from draftwise.gateway.openai import protocol as P
+from draftwise.gateway.openai.http_errors import json_errors, parse_json
 from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
 from draftwise.gateway.relay import Relay
+from draftwise.gateway.sampling_check import FieldError, check_sampling
 from draftwise.gateway.streams import Outbox
 from draftwise.gateway.validate import validate_start
 from draftwise.v1 import generation_pb2 as pb
@@ -50,7 +53,9 @@ HTTP_STATUS = {
 }
 """HTTP status of each gRPC status code a request can end with (others: 500)."""
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics"
+OPEN_PATHS = frozenset({"/health", "/healthz", "/metrics"})
+"""Paths open without an API key (load balancers, Prometheus), as on the metrics port."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -74,6 +79,8 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/healthz", self.health)
+        app.router.add_get("/metrics", self.metrics)
         self.app = app
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -84,6 +91,7 @@ class OpenAIServer:
         # shutdown_timeout: the gateway stops HTTP after its grace period, when no request is left
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         await runner.setup()
+        json_errors(runner)
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=False)
         try:
             await site.start()
@@ -107,7 +115,7 @@ class OpenAIServer:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """API keys, and every error as OpenAI's JSON error object."""
         try:
-            if self._keys and request.path != "/health":
+            if self._keys and request.path not in OPEN_PATHS:
                 self._check_key(request.headers.get("Authorization"))
             return await handler(request)
         except ApiError as e:
@@ -132,6 +140,11 @@ class OpenAIServer:
                     "(--max-request-bytes): send a shorter prompt"
                 )
             return _json(e.status, P.error_body(e.status, message))
+        except FieldError as e:
+            return _json(400, P.error_body(400, e.message, e.param))
+        except Exception:  # a defect: still OpenAI's JSON error, never a bare text/plain 500
+            log.exception("http request failed", path=request.path)
+            return _json(500, P.error_body(500, "internal error while handling the request; the server logged it"))
 
     def _check_key(self, header: str | None) -> None:
         if header is None:
@@ -147,13 +160,23 @@ class OpenAIServer:
             raise ApiError(401, "invalid API key", code="invalid_api_key")
 
     async def _body(self, request: web.Request) -> object:
-        data = await request.read()
         try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            data = await request.read()
+        except web.HTTPException:
+            raise  # 413
+        except Exception as e:  # a Content-Encoding the body does not match (not gzip, truncated, ...)
+            enc = request.headers.get("Content-Encoding", "identity")
+            raise ApiError(
+                400, f"the request body cannot be decoded as Content-Encoding {enc[:32]!r}: {clip(str(e))}"
+            ) from None
+        return parse_json(data)
 
     # ------------------------------------------------------------------ endpoints
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The gateway's Prometheus metrics, as on the metrics port (``--metrics-port``)."""
+        body = prometheus_client.generate_latest(self.core.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.core.router.serving and not self.core.draining
@@ -183,9 +206,9 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ one request
 
-    def _admit(self, parsed: ParsedRequest) -> Admitted:
+    def _admit(self, start: pb.StartGeneration) -> Admitted:
         """The admission ticket; ApiError (503, 404, 400, 429) when the request cannot start."""
-        ticket = admit(self.core, parsed.start, check=_model_for)
+        ticket = admit(self.core, start, check=_model_for)
         if not isinstance(ticket, Refused):
             return ticket
         if ticket.why == Why.DRAINING:
@@ -201,27 +224,62 @@ class OpenAIServer:
         status = HTTP_STATUS.get(ticket.code, 500)
         raise ApiError(status, ticket.message, "model" if status == 404 else None, _code(status))
 
-    async def _generate(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
-        ticket = self._admit(parsed)
-        model = ticket.model
-        core = self.core
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        outbox = Outbox(core.config.max_buffered_tokens)
-        relay = Relay(core, rid, parsed.start, ticket, outbox, None)
+    def _relay(self, rid: str, start: pb.StartGeneration) -> tuple[Relay, Outbox, str]:
+        """A started relay of ``start`` (admitted: ApiError when it cannot be), its outbox, its model."""
+        ticket = self._admit(start)
+        outbox = Outbox(self.core.config.max_buffered_tokens)
+        relay = Relay(self.core, rid, start, ticket, outbox, None)
         relay.buffer = None  # not resumable over HTTP: a client that leaves cancels its request
         relay.start()
+        return relay, outbox, ticket.model
+
+    async def _generate(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if len(parsed.starts) > 1:
+            return await self._batch(parsed, rid)
+        relay, outbox, model = self._relay(rid, parsed.start)
         try:
             first = await outbox.get()
             _raise_if_error(first)
             if parsed.stream:
                 return await self._stream(request, parsed, chat, rid, model, outbox, first)
-            return await self._collect(parsed, chat, rid, model, outbox, first)
+            choice, usage, spec = await self._collect(parsed, chat, outbox, first)
+            return _json(200, _response(rid, chat, model, [choice], usage, spec))
         finally:
             relay.cancel()  # no-op once finished; else (the client left) the worker frees its KV blocks
 
+    async def _batch(self, parsed: ParsedRequest, rid: str) -> web.StreamResponse:
+        """A list of prompts (``/v1/completions``): one request each, run together, one choice each
+        (``index`` i for prompt i), their usage summed. Any error fails the whole batch."""
+        if parsed.stream:
+            raise ApiError(
+                400, "stream: true with a list of prompts is not supported: stream one prompt per request", "stream"
+            )
+        relays: list[Relay] = []
+        model = ""
+        try:
+            runs = []
+            for i, start in enumerate(parsed.starts):
+                relay, outbox, model = self._relay(f"{rid}-{i}", start)
+                relays.append(relay)
+                runs.append(self._collect(parsed, False, outbox, None))
+            results = await asyncio.gather(*runs)
+        finally:
+            for relay in relays:
+                relay.cancel()
+        choices = [dict(choice, index=i) for i, (choice, _, _) in enumerate(results)]
+        total = pb.Usage()
+        for _, u, _ in results:
+            total.prompt_tokens += u.prompt_tokens
+            total.completion_tokens += u.completion_tokens
+        return _json(200, _response(rid, False, model, choices, total, None))
+
     async def _collect(
-        self, parsed: ParsedRequest, chat: bool, rid: str, model: str, outbox: Outbox, first: Any
-    ) -> web.Response:
+        self, parsed: ParsedRequest, chat: bool, outbox: Outbox, first: Any
+    ) -> tuple[dict[str, Any], pb.Usage, pb.SpeculationStats | None]:
+        """One request's choice (``index`` 0), usage and speculation counters, read to its end."""
+        if first is None:
+            first = await outbox.get()
         text: list[str] = []
         logprobs: list[pb.TokenLogprob] = []
         spec: pb.SpeculationStats | None = None
@@ -239,7 +297,6 @@ class OpenAIServer:
                 break
             resp = await outbox.get()
         fin = ev.finished
-        body = P.envelope(rid, "chat.completion" if chat else "text_completion", model)
         choice: dict[str, Any] = {"index": 0}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
@@ -248,11 +305,7 @@ class OpenAIServer:
             choice["text"] = "".join(text)
             choice["logprobs"] = P.completion_logprobs(logprobs) if parsed.logprobs else None
         choice["finish_reason"] = P.finish_reason(fin)
-        body["choices"] = [choice]
-        body["usage"] = P.usage(fin.usage)
-        if spec is not None:
-            body["speculation"] = P.speculation(spec)
-        return _json(200, body)
+        return choice, fin.usage, spec
 
     async def _stream(
         self,
@@ -309,9 +362,22 @@ class OpenAIServer:
         return http
 
 
+def _response(
+    rid: str, chat: bool, model: str, choices: list[dict[str, Any]], usage: pb.Usage, spec: pb.SpeculationStats | None
+) -> dict[str, Any]:
+    body = P.envelope(rid, "chat.completion" if chat else "text_completion", model)
+    body["choices"] = choices
+    body["usage"] = P.usage(usage)
+    if spec is not None:
+        body["speculation"] = P.speculation(spec)
+    return body
+
+
 def _model_for(core: Core, start: pb.StartGeneration) -> str:
     """The model to run ``start`` on, OpenAI's way: a model this server does not serve is
-    NOT_FOUND (404 ``model_not_found``); then the gateway's own checks."""
+    NOT_FOUND (404 ``model_not_found``); then the gateway's own checks. Sampling parameters
+    first: a bad one is 400 even while no worker is up."""
+    check_sampling(start.sampling_params)
     models = core.router.models()
     if not models:
         raise RequestError(

@@ -225,7 +225,7 @@ def _raw(server: Server, path: str, body: bytes | None, key: str | None = KEY) -
     ("kwargs", "param", "match"),
     [
         ({"n": 2}, "n", "n must be 1"),
-        ({"temperature": -1}, None, "temperature must be"),
+        ({"temperature": -1}, "temperature", "temperature must be"),  # named (issue 23; was null)
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be in"),
         ({"messages": []}, "messages", "messages must be a non-empty list"),
         ({"messages": [{"role": "user", "content": "def f(x):\n" * 400}]}, None, "render to a prompt of"),
@@ -246,8 +246,8 @@ def test_bad_requests_are_400_in_openai_shape(server: Server, kwargs: dict, para
 def test_malformed_body_and_unknown_paths(server: Server) -> None:
     status, _, body = _raw(server, "/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
-    status, _, body = _raw(server, "/completions", json.dumps({"prompt": ["a", "b"]}).encode())
-    assert status == 400 and "send one prompt per request" in body["error"]["message"]
+    status, _, body = _raw(server, "/completions", json.dumps({"prompt": ["a", 5]}).encode())
+    assert status == 400 and "a list of token ids" in body["error"]["message"]  # (a list of prompts is a batch)
     status, _, body = _raw(server, "/embeddings", b"{}")
     assert status == 404 and "no such endpoint: POST /v1/embeddings" in body["error"]["message"]
     status, _, body = _raw(server, "/completions", None)

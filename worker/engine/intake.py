@@ -86,7 +86,16 @@ class Intake:
                 "to leave room for output"
             )
         room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None and params.max_tokens > room:
+            # refused, not silently capped (vLLM and OpenAI answer 400): a continuation keeps the
+            # original prompt and max_tokens, so its tokens so far never count against it twice
+            raise ValueError(
+                f"max_tokens={params.max_tokens} is too large: the prompt is {len(ids)} tokens and "
+                f"prompt + max_tokens ({len(ids) + params.max_tokens}) must be at most "
+                f"max_model_len={self.max_model_len}; ask for at most {room} tokens (or leave max_tokens "
+                "unset for as many as fit)"
+            )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         eos = () if params.ignore_eos else self.eos_token_ids
         cont = check_continuation(continuation, self.vocab_size, len(ids), self.max_model_len, max_tokens, eos, params)
         req = Request(
