@@ -3,13 +3,18 @@ a console renderer in a terminal. Every line about a request carries its ``reque
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import Literal, TextIO, cast
 
 import structlog
 
 LogFormat = Literal["auto", "json", "console"]
+
+_json_lines = False
+"""Whether :func:`configure_logging` chose JSON lines (read by :func:`announce`)."""
 
 
 class _CurrentStderr:
@@ -29,7 +34,9 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
     numeric = logging.getLevelNamesMapping().get(level.upper())
     if numeric is None:
         raise ValueError(f"unknown log level {level!r}: debug, info, warning or error")
+    global _json_lines
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    _json_lines = not console
     renderer: structlog.typing.Processor = (
         structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
     )
@@ -52,3 +59,20 @@ def ensure_logging(level: str = "info") -> None:
     itself, log at ``level`` and above to stderr, so per-request debug lines stay quiet."""
     if not structlog.is_configured():
         configure_logging("auto", level)
+
+
+def json_lines() -> bool:
+    """Whether the process logs JSON lines (then every line it writes for a person is one too)."""
+    return _json_lines
+
+
+def announce(text: str, file: TextIO | None = None, level: str = "info") -> None:
+    """A line for the person who started the process (where it listens, workers ready, a start-up
+    error) on ``file`` (stdout by default): plain text, or, when the process logs JSON lines, a
+    JSON record with ``text`` as its event (the fields structlog's lines have), so that a log
+    collector reads every line."""
+    out = sys.stdout if file is None else file
+    if _json_lines:
+        record = {"event": text, "level": level, "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
+        text = json.dumps(record)
+    print(text, file=out, flush=True)

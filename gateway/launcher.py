@@ -39,6 +39,7 @@ from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.server import Gateway
 from draftwise.gateway.supervisor import RestartPolicy, Supervisor, WorkerProcess, worker_env
 from draftwise.hop import CLIENT_KEY_ENV_VARS, generate_secret, write_secret_file
+from draftwise.logs import announce
 
 log = structlog.get_logger("draftwise.serve")
 
@@ -179,7 +180,7 @@ async def serve(cfg: ServeConfig, out: TextIO | None = None) -> int:
     if not port_problem and cfg.gateway.http_port:
         port_problem = _port_in_use(cfg.gateway.host, cfg.gateway.http_port, "--http-port")
     if port_problem:  # before the workers spend time loading the model
-        print(f"error: {port_problem}", file=sys.stderr)
+        announce(f"error: {port_problem}", sys.stderr, "error")
         return 1
     with tempfile.TemporaryDirectory(prefix="draftwise-serve-") as tmp:  # mode 0700
         gateway_cfg = cfg.gateway
@@ -206,7 +207,7 @@ async def serve(cfg: ServeConfig, out: TextIO | None = None) -> int:
             sup.router = gateway.router
             sup.restart_counter = getattr(gateway.metrics, "worker_restarts", None)
             if not await gateway.wait_serving(30.0):
-                print("error: the workers started but none answers the gateway", file=sys.stderr)
+                announce("error: the workers started but none answers the gateway", sys.stderr, "error")
                 return 1
             models = ", ".join(sorted(gateway.router.models()))
             g = cfg.gateway
@@ -215,15 +216,14 @@ async def serve(cfg: ServeConfig, out: TextIO | None = None) -> int:
                 f"; metrics on http://{g.metrics_host}:{gateway.metrics_port}/metrics" if gateway.metrics_port else ""
             )
             n = len(sup.procs)
-            print(
+            announce(
                 f"draftwise serving {models} on {where} ({n} worker{'s' * (n > 1)}"
                 f"{', TLS' if g.tls_cert else ''}{speculation_note(gateway.router)}{extra}); Ctrl-C stops",
-                file=stream,
-                flush=True,
+                stream,
             )
             if gateway.http_port is not None:
                 scheme = "https" if g.tls_cert else "http"
-                print(f"OpenAI-compatible HTTP on {scheme}://{g.host}:{gateway.http_port}/v1", file=stream, flush=True)
+                announce(f"OpenAI-compatible HTTP on {scheme}://{g.host}:{gateway.http_port}/v1", stream)
             code = await sup.run(stop)
             stopping = asyncio.create_task(gateway.stop())
             fast = asyncio.create_task(now.wait())

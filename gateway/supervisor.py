@@ -29,6 +29,7 @@ import structlog
 from prometheus_client import Counter
 
 from draftwise.gateway.router import Router
+from draftwise.logs import announce, json_lines
 
 log = structlog.get_logger("draftwise.serve")
 
@@ -192,7 +193,8 @@ class Supervisor:
         self.restart_counter: Counter | None = None  # the gateway's draftwise_worker_restarts, if it has one
 
     def _say(self, text: str) -> None:
-        print(text, file=self.console, flush=True)
+        level = next((lv for lv in ("error", "warning") if text.startswith(lv)), "info")
+        announce(text, self.console, level)
 
     def _end_progress(self, tty: bool, shown: int) -> None:
         """Clear the terminal's counting line, if one is shown."""
@@ -210,7 +212,7 @@ class Supervisor:
         deadline = started + self.startup_timeout_s
         n = len(self.procs)
         self._say(f"starting {n} worker{'s' * (n > 1)}: loading the model (seconds to a minute)")
-        tty = self.console.isatty()
+        tty = self.console.isatty() and not json_lines()  # no counting line among JSON lines
         shown = -1
         while any(p.state == State.STARTING for p in self.procs):
             if stop.is_set():

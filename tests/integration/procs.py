@@ -176,6 +176,14 @@ def metrics_port(gateway: Proc) -> int:
     raise AssertionError("the gateway logged no 'gateway listening' line")
 
 
+def said(line: str) -> str:
+    """What a line of ``draftwise serve`` says: the event of a JSON line (it logs JSON lines when
+    not on a terminal, or with --log-format=json), else the line itself."""
+    if line.startswith("{"):
+        return str(json.loads(line)["event"])
+    return line
+
+
 LISTENING = re.compile(
     r"^draftwise serving (?P<model>\S+) on 127\.0\.0\.1:(?P<port>\d+) \((?P<workers>\d+) workers?"
     r"(?:, TLS)?(?:, speculative decoding: (?P<spec>[^;)]+))?(?:; metrics on http://[^:]+:(?P<metrics>\d+)/metrics)?\); Ctrl-C stops$"
@@ -205,7 +213,7 @@ class ServeProc:
             self.close()
             raise AssertionError(f"draftwise serve printed nothing in {timeout} s:\n{self.log()[-4000:]}")
         line = self.popen.stdout.readline().rstrip("\n")
-        m = LISTENING.match(line)
+        m = LISTENING.match(said(line))
         if not m:
             self.close()
             raise AssertionError(f"unexpected first line {line!r}:\n{self.log()[-4000:]}")

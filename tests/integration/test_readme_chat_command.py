@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.integration.procs import ROOT, child_env
+from tests.integration.procs import ROOT, child_env, said
 from tests.model.smollm2 import require_smollm2
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_the_readme_chat_command(tmp_path):
     res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.strip()]
-    serving = [line for line in lines if line.startswith("draftwise serving smollm2 on 127.0.0.1:")]
+    serving = [said(line) for line in lines if said(line).startswith("draftwise serving smollm2 on 127.0.0.1:")]
     assert serving and f":{grpc_port} " in serving[0], res.stdout
     assert f"http://127.0.0.1:{http_port}/v1" in res.stdout
     assert re.search(r"\bParis\b", res.stdout), res.stdout  # draftwise chat's reply

@@ -5,6 +5,7 @@ streams finish before it exits; its workers never outlive it, even when it is ki
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import selectors
@@ -24,6 +25,13 @@ from tests.integration.conftest import reference_outputs
 from tests.integration.procs import ENGINE_ARGS, MODEL_NAME, ROOT, child_env
 from tests.integration.rpc import Result, start, start_req
 
+
+def _event(line: str) -> str:
+    """What a line says: its event when it is a JSON log line (serve and its workers log JSON
+    lines when not on a terminal), else the line."""
+    return json.loads(line)["event"] if line.startswith("{") else line
+
+
 LISTENING = re.compile(r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 worker\); Ctrl-C stops$")
 
 
@@ -40,7 +48,7 @@ class Serve:
             text=True,
         )
         self.line = self._first_line(180)
-        m = LISTENING.match(self.line)
+        m = LISTENING.match(_event(self.line))
         assert m, f"unexpected first line: {self.line!r}"
         self.model, self.port = m.group(1), int(m.group(2))
 
@@ -113,10 +121,15 @@ def test_serve_generate_and_graceful_sigterm(serve, reference_llm):
     assert res.returncode == 0, res.stderr
     (ref,) = reference_outputs(reference_llm, [prompt], SamplingParams(temperature=0, max_tokens=24))
     assert res.stdout == prompt + ref.outputs[0].text + "\n"
-    # while starting, the console said what was loading and when each worker was ready
-    console = [line for line in serve.log().splitlines() if not line.startswith("{")]
-    assert console[:2] == ["starting 1 worker: loading the model (seconds to a minute)", console[1]], console
-    assert re.fullmatch(r"worker-0 ready after \d+\.\d s", console[1]), console
+    # while starting, serve said what was loading and when each worker was ready, in JSON lines
+    # (--log-format=json) like every other line it and its workers wrote
+    lines = serve.log().splitlines()
+    assert json.loads(serve.line)["level"] == "info"
+    not_json = [line for line in lines if not _is_json(line)]
+    assert not not_json, not_json
+    said = [json.loads(line)["event"] for line in lines]
+    assert "starting 1 worker: loading the model (seconds to a minute)" in said, said
+    assert any(re.fullmatch(r"worker-0 ready after \d+\.\d s", e) for e in said), said
 
     workers = serve.workers()
     assert len(workers) == 1
@@ -139,6 +152,13 @@ def test_serve_generate_and_graceful_sigterm(serve, reference_llm):
     assert code == grpc.StatusCode.OK
     assert serve.popen.wait(60) == 0
     assert _wait_gone(workers, 10), "the worker outlived draftwise serve"
+
+
+def _is_json(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def test_workers_do_not_outlive_a_killed_serve(serve):
@@ -176,8 +196,9 @@ def test_serve_refuses_a_taken_port_before_starting_workers(tmp_path):
             timeout=60,
             cwd=tmp_path,
         )
-    assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr
-    assert "pick one with --port" in res.stderr and "starting" not in res.stderr  # no worker was started
+    said = _event(res.stderr.strip())  # one line; JSON, as serve logs when not on a terminal
+    assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in said, res.stderr
+    assert "pick one with --port" in said and "starting" not in res.stderr  # no worker was started
 
 
 def test_serve_refuses_a_taken_http_port_before_starting_workers(tmp_path):
@@ -196,7 +217,6 @@ def test_serve_refuses_a_taken_http_port_before_starting_workers(tmp_path):
             cwd=tmp_path,
         )
     assert res.returncode == 1, res.stderr
-    assert (
-        res.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}") and "pick one with --http-port" in res.stderr
-    )
+    said = _event(res.stderr.strip())
+    assert said.startswith(f"error: cannot listen on 127.0.0.1:{port}") and "pick one with --http-port" in said
     assert "starting" not in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -25,7 +25,7 @@ from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.worker import SamplingParams
 from tests.integration.conftest import reference_outputs
-from tests.integration.procs import CLIENT_DIR, ENGINE_ARGS, MODEL_NAME, child_env
+from tests.integration.procs import CLIENT_DIR, ENGINE_ARGS, MODEL_NAME, child_env, said
 from tests.integration.prompts import BASES
 from tests.integration.rpc import Result, start, start_req
 
@@ -56,7 +56,7 @@ class Serve:
         sel = selectors.DefaultSelector()
         sel.register(self.popen.stdout, selectors.EVENT_READ)
         line = self.popen.stdout.readline().rstrip("\n") if sel.select(180) else ""
-        m = LISTENING.match(line)
+        m = LISTENING.match(said(line)) if line else None
         if not m:
             self.close()
             raise AssertionError(f"draftwise serve did not start: {line!r}\n{self.log_path.read_text()[-4000:]}")
