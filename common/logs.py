@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from datetime import UTC, datetime
-from typing import Literal, TextIO, cast
+from typing import IO, Literal, TextIO, cast
 
 import structlog
 
@@ -66,7 +66,7 @@ def json_lines() -> bool:
     return _json_lines
 
 
-def announce(text: str, file: TextIO | None = None, level: str = "info") -> None:
+def announce(text: str, file: IO[str] | None = None, level: str = "info") -> None:
     """A line for the person who started the process (where it listens, workers ready, a start-up
     error) on ``file`` (stdout by default): plain text, or, when the process logs JSON lines, a
     JSON record with ``text`` as its event (the fields structlog's lines have), so that a log
