@@ -81,6 +81,13 @@ def validate_start(core: Core, start: pb.StartGeneration) -> str:
                 f"prompt is {n} tokens; it must be shorter than the context length of {model!r} ({limit}) "
                 "to leave room for output",
             )
+        sp = start.sampling_params
+        if limit and sp.HasField("max_tokens") and n + sp.max_tokens > limit:  # the worker checks text prompts
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_tokens={sp.max_tokens} is too large: the prompt is {n} tokens and prompt + max_tokens "
+                f"({n + sp.max_tokens}) must be at most max_model_len={limit}; ask for at most {limit - n} tokens",
+            )
     return model
 
 

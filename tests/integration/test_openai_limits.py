@@ -91,6 +91,23 @@ def test_max_tokens_beyond_the_context_is_refused_over_http_and_grpc(srv):
             assert (
                 e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"max_tokens={max_tokens}" in e.value.details()
             )
+    # a text prompt: only the worker knows its length in tokens (this model has no chat template)
+    for max_tokens in (MAX_MODEL_LEN, 2**31):
+        status, _, body = srv.post_json(COMPLETIONS, {"prompt": "def f(x):", "max_tokens": max_tokens})
+        assert status == 400, body
+        msg = body["error"]["message"]  # type: ignore[index]
+        assert (
+            f"max_tokens={max_tokens} is too large: the prompt is " in msg and f"max_model_len={MAX_MODEL_LEN}" in msg
+        )
+        with grpc.insecure_channel(srv.gateway.address) as ch:
+            start = pb.StartGeneration(
+                prompt=pb.Prompt(text="def f(x):"), sampling_params=pb.SamplingParams(max_tokens=max_tokens)
+            )
+            with pytest.raises(grpc.RpcError) as e:
+                list(gsgrpc.GenerateServiceStub(ch).GenerateStream(gspb.GenerateStreamRequest(start=start), timeout=30))
+            assert (
+                e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"max_tokens={max_tokens}" in e.value.details()
+            )
     status, _, body = srv.post_json(
         COMPLETIONS, {"prompt": prompt, "max_tokens": MAX_MODEL_LEN - 10, "temperature": 0, "ignore_eos": True}
     )

@@ -92,8 +92,7 @@ class Intake:
             raise ValueError(
                 f"max_tokens={params.max_tokens} is too large: the prompt is {len(ids)} tokens and "
                 f"prompt + max_tokens ({len(ids) + params.max_tokens}) must be at most "
-                f"max_model_len={self.max_model_len}; ask for at most {room} tokens (or leave max_tokens "
-                "unset for as many as fit)"
+                f"max_model_len={self.max_model_len}; ask for at most {room} tokens"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         eos = () if params.ignore_eos else self.eos_token_ids
