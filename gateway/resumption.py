@@ -27,6 +27,13 @@ from draftwise.gateway.errors import RequestError, error_response
 from draftwise.gateway.replay import ReplayBuffer, ResumeError
 from draftwise.gateway.streams import Outbox
 
+UNKNOWN_HANDLE_METADATA = (("draftwise-resume-reason", "unknown-handle"),)
+"""Trailing metadata of a GenerateStream resume refused because this gateway does not know the
+handle (another replica's, or its retention passed), as opposed to a known request that can no
+longer be resumed: the client may then start the request again as a continuation of the tokens
+it holds, which any gateway can route. (The message begins "no request with this resume
+handle" on both RPCs; a session's error event carries no metadata.)"""
+
 
 def resume_relay(core: Core, relay: InFlight | None, outbox: Outbox, request_id: str, next_token_index: int) -> None:
     """Attach ``relay`` (the request of a resume handle, None when unknown) to ``outbox``;

@@ -24,7 +24,7 @@ from draftwise.gateway.bidi import MultiplexedStream
 from draftwise.gateway.core import Core, InFlight
 from draftwise.gateway.errors import RequestError
 from draftwise.gateway.relay import Relay
-from draftwise.gateway.resumption import resume_relay
+from draftwise.gateway.resumption import UNKNOWN_HANDLE_METADATA, resume_relay
 from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
 from draftwise.gateway.validate import parse_request
@@ -107,8 +107,12 @@ class GenerateServicer:
             resume_relay(core, relay, outbox, rid, r.next_token_index)
         except RequestError as e:
             core.metrics.requests.labels(e.code.name.lower()).inc()
-            at_capacity = e.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # a paused request found no slot
-            await context.abort(e.code, e.message, core.admission.trailing_metadata() if at_capacity else ())
+            metadata: tuple[tuple[str, str | bytes], ...] = ()
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a paused request found no slot
+                metadata = core.admission.trailing_metadata()
+            elif e.code == grpc.StatusCode.NOT_FOUND and relay is None:  # another replica's handle, say
+                metadata = UNKNOWN_HANDLE_METADATA
+            await context.abort(e.code, e.message, metadata)
         assert relay is not None
         relay.on_takeover = outbox.close
         async for resp in _events(relay, outbox, context):

@@ -149,11 +149,11 @@ def test_a_transport_error_after_a_delta_is_resumed_other_errors_are_not():
 
 
 def test_resume_refused():
-    after_drop = _core()  # retention passed: NOT_FOUND is the news
-    after_drop.begin()
-    after_drop.step(_delta(0, 1, "h"), T0)
-    assert isinstance(after_drop.step(DROPPED, T0), Resume)
-    out = after_drop.step(Failed(S.NOT_FOUND, "no request with this resume handle"), T0)
+    lost = _core()  # a known request that can no longer be resumed: NOT_FOUND is the news
+    lost.begin()
+    lost.step(_delta(0, 1, "h"), T0)
+    assert isinstance(lost.step(DROPPED, T0), Resume)
+    out = lost.step(Failed(S.NOT_FOUND, "the request can no longer be resumed: buffer full"), T0)
     assert isinstance(out, Raise) and out.error.code == S.NOT_FOUND and out.error.resumes == 1
     ended_there = _core()  # the server itself ended it UNAVAILABLE: that is why it ended
     ended_there.begin()
@@ -313,3 +313,99 @@ def test_session_gives_up_and_fails_every_request():
     late.add(_core("a"))
     (route,) = late.step(DROPPED, T0)
     assert isinstance(route.action, Raise)  # the reconnection would pass the deadline
+
+
+# -- a resume whose handle the gateway answering does not know: go on as a continuation ----------
+
+UNKNOWN = "no request with this resume handle on this gateway: it was never started here"
+REASON = (("draftwise-resume-reason", "unknown-handle"),)
+
+
+def _spec_delta(first: int, n: int, handle: str = "", proposed: int = 0) -> Received:
+    event = _delta(first, n, handle)
+    event.event.delta.speculation.CopyFrom(pb.SpeculationStats(proposed_tokens=proposed, accepted_tokens=proposed // 2))
+    return event
+
+
+def test_an_unknown_handle_after_a_drop_sends_the_start_again_as_a_continuation():
+    """Another replica (or the same one after the retention time) answers the resume NOT_FOUND
+    for an unknown handle: the request's own start goes out again, with the tokens the caller
+    holds and the latest speculation counters as its continuation, at once."""
+    for failed in (Failed(S.NOT_FOUND, UNKNOWN), Failed(S.NOT_FOUND, "other words", REASON)):
+        core = _core()
+        core.begin()
+        core.step(_spec_delta(0, 2, "h", proposed=4), T0)
+        core.step(_spec_delta(2, 3, proposed=8), T0)
+        assert isinstance(core.step(DROPPED, T0), Resume)
+        out = core.step(failed, T0)
+        assert isinstance(out, Resume) and out.start is not None and out.delay_s == 0.0
+        assert out.start.request_id == "r" and out.start.prompt.text == "def f(x):"
+        assert list(out.start.continuation.output_token_ids) == [100, 101, 102, 103, 104]
+        assert out.start.continuation.speculation.proposed_tokens == 8
+        assert not core.start.HasField("continuation")  # the original start is left alone
+        message = stream_request(out)
+        assert message.HasField("start") and not message.HasField("resume") and message.start == out.start
+        assert session_request(out).start == out.start
+        assert core.resumes == 1 and core.continuations == 1
+        # the continuation's deltas go on at the same index, with a new handle, no gap
+        assert _tokens(core.step(_delta(5, 2, "h2"), T0)) == [105, 106]
+        assert core.progress.handle == "h2" and not core.progress.continued
+        assert isinstance(core.step(_final(7), T0), Yield)
+
+
+def test_a_continuation_dropped_before_its_first_delta_is_sent_again_within_the_policy():
+    core = _core()
+    core.begin()
+    core.step(_delta(0, 1, "h"), T0)
+    core.step(DROPPED, T0)
+    assert isinstance(core.step(Failed(S.NOT_FOUND, UNKNOWN), T0), Resume)
+    again = core.step(DROPPED, T0)  # no handle yet: the same continuation, not a resume
+    assert isinstance(again, Resume) and again.start is not None and again.delay_s > 0
+    assert list(again.start.continuation.output_token_ids) == [100]
+    out = core.step(DROPPED, T0)  # ResumePolicy.max_attempts in a row
+    assert isinstance(out, Raise) and is_transport(out.error)
+
+
+def is_transport(error: GenerationError) -> bool:
+    return error.code == S.UNAVAILABLE
+
+
+def test_no_continuation_where_the_server_ended_the_request_or_nothing_was_resumed():
+    ended_there = _core()  # the server itself ended it UNAVAILABLE: raise why
+    ended_there.begin()
+    ended_there.step(_delta(0, 1, "h"), T0)
+    ended_there.step(Failed(S.UNAVAILABLE, "worker gone; moved 2 times"), T0)
+    out = ended_there.step(Failed(S.NOT_FOUND, UNKNOWN, REASON), T0)
+    assert isinstance(out, Raise) and "moved 2 times" in out.error.message
+    fresh = _core()  # NOT_FOUND to a start (a model, say) is not about a handle
+    fresh.begin()
+    out = fresh.step(Failed(S.NOT_FOUND, "no model named x"), T0)
+    assert isinstance(out, Raise) and out.error.code == S.NOT_FOUND
+    other = _core()  # another NOT_FOUND of a resume: raised as it is
+    other.begin()
+    other.step(_delta(0, 1, "h"), T0)
+    other.step(DROPPED, T0)
+    out = other.step(Failed(S.NOT_FOUND, "the request can no longer be resumed"), T0)
+    assert isinstance(out, Raise) and out.error.code == S.NOT_FOUND
+
+
+def test_a_session_request_goes_on_as_a_continuation_on_the_same_stream():
+    """On a session the answer is an error event on the new stream: the request stays in
+    flight and the driver writes its start, with the continuation, on that stream."""
+    session = SessionCore(RESUME)
+    core = _core()
+    session.add(core)
+    session.step(_delta(0, 2, "h"), T0)
+    (reconnect,) = session.step(DROPPED, T0)
+    assert isinstance(reconnect, Reconnect)
+    (message,) = session.reattach(reconnect.error)
+    assert message.HasField("resume")
+    (route,) = session.step(_error_event(S.NOT_FOUND, UNKNOWN), T0)
+    assert isinstance(route, Route) and isinstance(route.action, Resume) and route.action.start is not None
+    assert "r" in session.requests  # still in flight on this stream
+    assert session_request(route.action).start.continuation.output_token_ids == [100, 101]
+    (yielded,) = session.step(_delta(2, 1, "h2"), T0)
+    assert isinstance(yielded.action, Yield) and _tokens(yielded.action) == [102]
+    (reconnect,) = session.step(DROPPED, T0)  # dropped again: resumed by the new handle
+    (message,) = session.reattach(reconnect.error)
+    assert message.resume.resume_handle == "h2" and message.resume.next_token_index == 3

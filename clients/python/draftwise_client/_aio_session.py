@@ -33,11 +33,13 @@ from draftwise_client._core import (
     Received,
     Reconnect,
     RequestCore,
+    Resume,
     Retry,
     Route,
     SessionCore,
     Yield,
     cancel_request,
+    session_request,
 )
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
@@ -128,6 +130,7 @@ class Session:
         self._timeout = timeout
         self._core = SessionCore(client.resume)
         self._streams: dict[str, RequestStream] = {}
+        self._to_write: list[gspb.GenerateRequest] = []  # continuations the reader writes next
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -206,12 +209,26 @@ class Session:
         for r in routes:
             if isinstance(r, Reconnect):
                 return r
+            if isinstance(r.action, Resume):  # its handle is unknown here: go on as a continuation
+                log.info("continuing %s at token %d (%s)", r.request_id, r.action.next_index, r.action.error)
+                self._to_write.append(session_request(r.action))
+                continue
             stream = self._streams.get(r.request_id)
             if stream is not None:
                 stream._queue.put_nowait(r.action)
                 if not isinstance(r.action, Retry) and r.request_id not in self._core.requests:
                     del self._streams[r.request_id]  # over
         return None
+
+    async def _flush(self) -> None:
+        """Write the continuations the routing asked for (a broken stream: read says so, and
+        the reconnection carries them over)."""
+        async with self._write_lock:
+            messages, self._to_write = self._to_write, []
+            assert self._call is not None
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                for message in messages:
+                    await self._call.write(message)
 
     async def _reconnect(self, cause: GenerationError) -> None:
         """A new stream carrying every in-flight request: resumed where it has a handle,
@@ -235,6 +252,8 @@ class Session:
                 try:
                     async for resp in self._call:
                         self._route(core.step(Received(resp.event), time.monotonic()))
+                        if self._to_write:
+                            await self._flush()
                     self._route(core.step(Ended(), time.monotonic()))
                     return
                 except grpc.aio.AioRpcError as e:

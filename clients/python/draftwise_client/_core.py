@@ -33,7 +33,14 @@ import grpc
 
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
-from draftwise_client._resume import Progress, ResumePolicy, resume_delay, resume_outcome
+from draftwise_client._resume import (
+    Progress,
+    ResumePolicy,
+    resume_delay,
+    resume_outcome,
+    transport_cause,
+    unknown_handle,
+)
 from draftwise_client._retry import RetryPolicy, hint_from_metadata, retry_delay
 from draftwise_client._types import Delta, GenerationError, delta_from_event
 
@@ -105,6 +112,10 @@ class Resume:
     error: GenerationError
     request_id: str = ""
     """The id it goes by on a session's stream."""
+    start: pb.StartGeneration | None = None
+    """Set when the request goes on as a continuation instead: send this start (the original
+    one with ``continuation`` = the tokens held) rather than a resume. The gateway answering
+    did not know the handle (another replica's, or its retention passed)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,8 @@ class Reconnect:
 def stream_request(action: Send | Retry | Resume) -> gspb.GenerateStreamRequest:
     """The GenerateStream call's request for ``action``."""
     if isinstance(action, Resume):
+        if action.start is not None:
+            return gspb.GenerateStreamRequest(start=action.start)
         resume = gspb.ResumeGeneration(resume_handle=action.handle, next_token_index=action.next_index)
         return gspb.GenerateStreamRequest(resume=resume)
     return gspb.GenerateStreamRequest(start=action.start)
@@ -162,6 +175,8 @@ def stream_request(action: Send | Retry | Resume) -> gspb.GenerateStreamRequest:
 def session_request(action: Send | Retry | Resume) -> gspb.GenerateRequest:
     """The Generate stream's message for ``action``."""
     if isinstance(action, Resume):
+        if action.start is not None:
+            return gspb.GenerateRequest(start=action.start)
         resume = gspb.ResumeGeneration(
             resume_handle=action.handle, next_token_index=action.next_index, request_id=action.request_id
         )
@@ -208,6 +223,8 @@ class RequestCore:
         self.cancelled = False
         """The caller asked to stop it: an error event then ends it, never retried."""
         self._in_row = 0  # resumes since the last event that reached the caller
+        self.continuations = 0
+        """Starts sent again as a continuation of the tokens held (a resume's handle was unknown)."""
 
     @property
     def resumes(self) -> int:
@@ -241,7 +258,7 @@ class RequestCore:
             return self.failed(event, now)
         return self.ended()
 
-    def received(self, event: pb.GenerationEvent, now: float) -> Yield | Retry | Raise:
+    def received(self, event: pb.GenerationEvent, now: float) -> Yield | Retry | Resume | Raise:
         """A message of the request arrived."""
         if event.WhichOneof("kind") == "error":
             return self._refused(event.error, now)
@@ -261,6 +278,8 @@ class RequestCore:
         if self.progress.finished:
             return Done()  # the connection broke after the final event: nothing is missing
         error = self._error(event.code, event.message, hint_from_metadata(event.metadata))
+        if self._elsewhere(error, event.metadata):
+            return self._resume(0.0, error, elsewhere=True)
         if not self.progress.resumable:
             return self._retry_or_raise(error, now)
         self._in_row += 1
@@ -288,11 +307,13 @@ class RequestCore:
         error.attempts, error.resumes = self.attempts, self.resumes
         return error
 
-    def _refused(self, err: pb.RequestError, now: float) -> Retry | Raise:
+    def _refused(self, err: pb.RequestError, now: float) -> Retry | Resume | Raise:
         """An error event (on a session's stream): the request ended there, unless it was
         refused before its first token and the RetryPolicy allows another attempt."""
         error = GenerationError.from_event(self.request_id, err)
         error.attempts, error.resumes = self.attempts, self.resumes
+        if self._elsewhere(error):
+            return self._resume(0.0, error, elsewhere=True)
         if self.progress.cause is not None:  # the answer to a resume
             return Raise(resume_outcome(error, self.progress.cause))
         if self.cancelled:
@@ -307,10 +328,26 @@ class RequestCore:
         self.attempts += 1
         return Retry(self.start, delay, self.attempts, error)
 
-    def _resume(self, delay: float, cause: GenerationError) -> Resume:
+    def _elsewhere(self, error: GenerationError, metadata: tuple[tuple[str, str | bytes], ...] = ()) -> bool:
+        """Whether ``error``, the answer to a resume sent after the connection failed, says
+        the gateway does not know the handle: the request goes on as a continuation, which
+        any gateway can route (a resume after the server itself ended the request raises
+        why it ended, as :func:`resume_outcome` says)."""
         p = self.progress
-        p.resumes += 1
+        return bool(p.handle) and transport_cause(p.cause) and unknown_handle(error, metadata)
+
+    def _resume(self, delay: float, cause: GenerationError, *, elsewhere: bool = False) -> Resume:
+        """A resume by handle; a continuation where ``elsewhere`` (the handle is unknown
+        where the client reconnected) or where the last one was a continuation that has
+        brought no handle yet. The answer to a continuation is not counted as a resume."""
+        p = self.progress
+        if not elsewhere:
+            p.resumes += 1
         p.cause = p.cause or cause  # the first failure since the last event says why it ended
+        if elsewhere or p.continued:
+            self.continuations += 1
+            start = p.continuation(self.start)
+            return Resume("", p.next_index, delay, cause, self.request_id, start)
         return Resume(p.handle, p.next_index, delay, cause, self.request_id)
 
 
@@ -356,7 +393,9 @@ class SessionCore:
             action = request.step(event, now)
             if isinstance(action, Yield) and not action.deltas:
                 return []
-            if not isinstance(action, Yield) or action.final:
+            if isinstance(action, Resume):
+                pass  # a continuation: it stays in flight, the driver writes it on this stream
+            elif not isinstance(action, Yield) or action.final:
                 del self.requests[rid]  # over, or out until its retry is sent
             return [Route(rid, action)]
         if isinstance(event, Ended):

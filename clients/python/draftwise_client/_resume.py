@@ -106,6 +106,30 @@ def resume_delay(
     return delay
 
 
+UNKNOWN_HANDLE = "no request with this resume handle"
+"""How the gateway's NOT_FOUND for a handle it does not know begins (on a session's error
+event, where no metadata travels)."""
+RESUME_REASON_KEY = "draftwise-resume-reason"
+"""Trailing metadata of a refused resume: ``unknown-handle`` when the gateway answering does
+not know the handle (another replica's, or its retention time passed)."""
+
+
+def unknown_handle(error: GenerationError, metadata: tuple[tuple[str, str | bytes], ...] = ()) -> bool:
+    """Whether ``error`` (the answer to a resume) says that the gateway does not know the
+    handle, rather than that the request cannot be resumed (its events lost, say)."""
+    if error.code != grpc.StatusCode.NOT_FOUND:
+        return False
+    if any(k == RESUME_REASON_KEY and v in ("unknown-handle", b"unknown-handle") for k, v in metadata):
+        return True
+    return error.message.startswith(UNKNOWN_HANDLE)
+
+
+def transport_cause(cause: GenerationError | None) -> bool:
+    """Whether ``cause`` (what made the client resume) was the connection failing, not the
+    server ending the request with UNAVAILABLE itself."""
+    return cause is not None and is_transport_error(cause) and cause.message.startswith(TRANSPORT_DETAILS)
+
+
 def resume_outcome(error: GenerationError, cause: GenerationError | None) -> GenerationError:
     """The error to raise when a resume sent after ``cause`` failed with ``error``. A resume
     that finds nothing (NOT_FOUND) after an UNAVAILABLE the server itself sent (the request
@@ -134,10 +158,32 @@ class Progress:
         """Resumes sent for it."""
         self.cause: GenerationError | None = None
         """The error that made the client resume it, until an event arrives after the resume."""
+        self.token_ids: list[int] = []
+        """Every token handed to the caller, in order (what a continuation goes on from)."""
+        self.speculation: pb.SpeculationStats | None = None
+        """The latest speculation counters a delta carried (cumulative)."""
+        self.continued = False
+        """The request was sent again as a continuation and its new handle has not come yet."""
 
     @property
     def resumable(self) -> bool:
-        return bool(self.handle)
+        """It can be resumed: it has a handle, or it was sent again as a continuation (which
+        can be sent again)."""
+        return bool(self.handle) or self.continued
+
+    def continuation(self, start: pb.StartGeneration) -> pb.StartGeneration:
+        """``start`` going on from the tokens the caller holds (``Continuation``): any gateway
+        can route it, and its first delta has ``first_token_index`` = the count held. The
+        handle is forgotten; the first delta of the continuation brings a new one."""
+        out = pb.StartGeneration()
+        out.CopyFrom(start)
+        cont = out.continuation
+        del cont.output_token_ids[:]
+        cont.output_token_ids.extend(self.token_ids)
+        if self.speculation is not None:
+            cont.speculation.CopyFrom(self.speculation)
+        self.handle, self.continued = "", True
+        return out
 
     def accept(self, event: pb.GenerationEvent) -> bool:
         """Record ``event``; False for a delta the caller already has (drop it). Raises
@@ -152,11 +198,15 @@ class Progress:
             return True
         d = event.delta
         if d.resume_handle and not self.handle:
-            self.handle = d.resume_handle
+            self.handle, self.continued = d.resume_handle, False
         end = d.first_token_index + len(d.token_ids)
         if d.first_token_index == self.next_index:
             self.next_index = end
             self.received = True
+            self.token_ids.extend(d.token_ids)
+            if d.HasField("speculation"):
+                self.speculation = pb.SpeculationStats()
+                self.speculation.CopyFrom(d.speculation)
             return True
         if end <= self.next_index and d.token_ids:
             return False  # a replayed delta the caller already has

@@ -121,7 +121,8 @@ class Client:
             if not isinstance(action, Send):
                 time.sleep(action.delay_s)
             if isinstance(action, Resume):
-                log.info("resuming %s at token %d after %s", action.handle, action.next_index, action.error)
+                how = "continuing as a continuation" if action.start is not None else f"resuming {action.handle}"
+                log.info("%s at token %d after %s", how, action.next_index, action.error)
             call = self._stub.GenerateStream(
                 stream_request(action), metadata=self.connection.metadata, timeout=core.timeout(time.monotonic())
             )

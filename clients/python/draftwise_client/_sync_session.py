@@ -35,11 +35,13 @@ from draftwise_client._core import (
     Received,
     Reconnect,
     RequestCore,
+    Resume,
     Retry,
     Route,
     SessionCore,
     Yield,
     cancel_request,
+    session_request,
 )
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
@@ -218,6 +220,10 @@ class SyncSession:
         for r in routes:
             if isinstance(r, Reconnect):
                 return r
+            if isinstance(r.action, Resume):  # its handle is unknown here: go on as a continuation
+                log.info("continuing %s at token %d (%s)", r.request_id, r.action.next_index, r.action.error)
+                self._outbox.put(session_request(r.action))
+                continue
             stream = self._streams.get(r.request_id)
             if stream is not None:
                 stream._queue.put(r.action)
