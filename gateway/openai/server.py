@@ -28,7 +28,14 @@ from draftwise.gateway.admit import Admitted, Refused, Why, admit
 from draftwise.gateway.core import Core
 from draftwise.gateway.errors import RequestError, clip
 from draftwise.gateway.openai import protocol as P
-from draftwise.gateway.openai.http_errors import json_errors, parse_json
+from draftwise.gateway.openai.http_errors import (
+    HTTP_STATUS,
+    error_code,
+    json_errors,
+    merged,
+    parse_json,
+    raise_if_error,
+)
 from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
 from draftwise.gateway.relay import Relay
 from draftwise.gateway.sampling_check import FieldError, check_sampling
@@ -38,21 +45,6 @@ from draftwise.v1 import generation_pb2 as pb
 
 log = structlog.get_logger("draftwise.gateway.openai")
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.CANCELLED: 503,
-    grpc.StatusCode.ABORTED: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-"""HTTP status of each gRPC status code a request can end with (others: 500)."""
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics"
 OPEN_PATHS = frozenset({"/health", "/healthz", "/metrics"})
 """Paths open without an API key (load balancers, Prometheus), as on the metrics port."""
@@ -222,7 +214,7 @@ class OpenAIServer:
                 code="rate_limit_exceeded",
             )
         status = HTTP_STATUS.get(ticket.code, 500)
-        raise ApiError(status, ticket.message, "model" if status == 404 else None, _code(status))
+        raise ApiError(status, ticket.message, "model" if status == 404 else None, error_code(status))
 
     def _relay(self, rid: str, start: pb.StartGeneration) -> tuple[Relay, Outbox, str]:
         """A started relay of ``start`` (admitted: ApiError when it cannot be), its outbox, its model."""
@@ -236,11 +228,11 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if len(parsed.starts) > 1:
-            return await self._batch(parsed, rid)
+            return await self._batch(request, parsed, rid)
         relay, outbox, model = self._relay(rid, parsed.start)
         try:
             first = await outbox.get()
-            _raise_if_error(first)
+            raise_if_error(first)
             if parsed.stream:
                 return await self._stream(request, parsed, chat, rid, model, outbox, first)
             choice, usage, spec = await self._collect(parsed, chat, outbox, first)
@@ -248,22 +240,21 @@ class OpenAIServer:
         finally:
             relay.cancel()  # no-op once finished; else (the client left) the worker frees its KV blocks
 
-    async def _batch(self, parsed: ParsedRequest, rid: str) -> web.StreamResponse:
+    async def _batch(self, request: web.Request, parsed: ParsedRequest, rid: str) -> web.StreamResponse:
         """A list of prompts (``/v1/completions``): one request each, run together, one choice each
-        (``index`` i for prompt i), their usage summed. Any error fails the whole batch."""
-        if parsed.stream:
-            raise ApiError(
-                400, "stream: true with a list of prompts is not supported: stream one prompt per request", "stream"
-            )
+        (``index`` i for prompt i), their usage summed; streamed, their chunks interleave. Any error
+        fails the whole batch (streamed: an error event, then ``[DONE]``)."""
         relays: list[Relay] = []
         model = ""
         try:
-            runs = []
+            outboxes = []
             for i, start in enumerate(parsed.starts):
                 relay, outbox, model = self._relay(f"{rid}-{i}", start)
                 relays.append(relay)
-                runs.append(self._collect(parsed, False, outbox, None))
-            results = await asyncio.gather(*runs)
+                outboxes.append(outbox)
+            if parsed.stream:
+                return await self._stream_batch(request, parsed, rid, model, outboxes)
+            results = await asyncio.gather(*(self._collect(parsed, False, ob, None) for ob in outboxes))
         finally:
             for relay in relays:
                 relay.cancel()
@@ -273,6 +264,35 @@ class OpenAIServer:
             total.prompt_tokens += u.prompt_tokens
             total.completion_tokens += u.completion_tokens
         return _json(200, _response(rid, False, model, choices, total, None))
+
+    async def _stream_batch(
+        self, request: web.Request, parsed: ParsedRequest, rid: str, model: str, outboxes: list[Outbox]
+    ) -> web.StreamResponse:
+        http = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await http.prepare(request)
+        base = P.envelope(rid, "text_completion", model)
+        extra = {"usage": None} if parsed.include_usage else {}
+        total = pb.Usage()
+        try:
+            async for i, resp in merged(outboxes):
+                raise_if_error(resp)
+                ev = resp.event
+                if ev.WhichOneof("kind") == "delta":
+                    lp = P.completion_logprobs(list(ev.delta.logprobs)) if parsed.logprobs else None
+                    choice = {"index": i, "text": ev.delta.text, "logprobs": lp, "finish_reason": None}
+                else:
+                    fin = ev.finished
+                    total.prompt_tokens += fin.usage.prompt_tokens
+                    total.completion_tokens += fin.usage.completion_tokens
+                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": P.finish_reason(fin)}
+                await http.write(_sse(dict(base, choices=[choice], **extra)))
+            if parsed.include_usage:
+                await http.write(_sse(dict(base, choices=[], usage=P.usage(total))))
+        except ApiError as e:  # after the headers: the error travels as an event
+            await http.write(_sse(P.error_body(e.status, e.message, e.param, e.code)))
+        await http.write(b"data: [DONE]\n\n")
+        await http.write_eof()
+        return http
 
     async def _collect(
         self, parsed: ParsedRequest, chat: bool, outbox: Outbox, first: Any
@@ -285,7 +305,7 @@ class OpenAIServer:
         spec: pb.SpeculationStats | None = None
         resp = first
         while True:
-            _raise_if_error(resp)
+            raise_if_error(resp)
             assert resp is not None  # _raise_if_error raised for None
             ev = resp.event
             if ev.WhichOneof("kind") == "delta":
@@ -335,7 +355,7 @@ class OpenAIServer:
         resp = first
         try:
             while resp is not None:
-                _raise_if_error(resp)
+                raise_if_error(resp)
                 ev = resp.event
                 kind = ev.WhichOneof("kind")
                 if kind == "delta":
@@ -392,21 +412,6 @@ def _model_for(core: Core, start: pb.StartGeneration) -> str:
             f"the model {wanted[:64]!r} does not exist on this server; it serves: {served} (GET /v1/models)",
         )
     return validate_start(core, start)
-
-
-def _code(status: int) -> str | None:
-    return {404: "model_not_found", 429: "rate_limit_exceeded"}.get(status)
-
-
-def _raise_if_error(resp: Any) -> None:
-    """ApiError for a final error event (or a relay that ended without one)."""
-    if resp is None:
-        raise ApiError(500, "the request ended without a final event")
-    if resp.event.WhichOneof("kind") == "error":
-        err = resp.event.error
-        code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
-        status = HTTP_STATUS.get(code, 500)
-        raise ApiError(status, err.message, code=_code(status))
 
 
 async def start_openai_server(

@@ -25,7 +25,17 @@ import pytest
 
 from draftwise.hop import read_secret_file
 from tests.chat_model import chat_doc_blocks, make_chat_model
-from tests.integration.procs import CLIENT_DIR, PARENT, ROOT, Proc, ServeProc, child_env, secret_args, start_gateway
+from tests.integration.procs import (
+    CLIENT_DIR,
+    PARENT,
+    ROOT,
+    Proc,
+    ServeProc,
+    child_env,
+    said,
+    secret_args,
+    start_gateway,
+)
 from tests.integration.rpc import scrape_metrics, worker_loads
 
 sys.path.insert(0, str(CLIENT_DIR))
@@ -83,7 +93,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--resume-retention-s=0",
     ).wait_listening()
     try:
-        line = serve.popen.stdout.readline().rstrip("\n")
+        line = said(serve.popen.stdout.readline().rstrip("\n"))
         m = HTTP_LINE.match(line)
         assert m, f"unexpected second line {line!r}"
         yield Server(serve, int(m[1]))

@@ -123,6 +123,18 @@ def test_a_list_of_prompts_gets_one_choice_each(srv):
         one = client.completions.create(model="", prompt=p, max_tokens=4, temperature=0)
         assert c.text == one.choices[0].text and c.finish_reason == one.choices[0].finish_reason
     assert batch.usage is not None and batch.usage.completion_tokens == 12
+    texts, finish, usage = ["", "", ""], [None, None, None], None
+    stream = client.completions.create(
+        model="", prompt=prompts, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = finish[c.index] or c.finish_reason
+    assert texts == [c.text for c in batch.choices] and finish == [c.finish_reason for c in batch.choices]
+    assert usage is not None and usage.completion_tokens == 12
     ids = client.completions.create(model="", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
     assert [c.index for c in ids.choices] == [0, 1]
     status, _, body = srv.post_json(COMPLETIONS, {"prompt": ["ok", "\ud800"], "max_tokens": 2})
