@@ -13,6 +13,9 @@ One request (:class:`RequestCore`)::
                                     Raise(error)           any other error event
     Failed(code, message, md)    -> Retry(delay_s, start)  refused before the first token
                                     Resume(delay_s, handle, next_index)   dropped after a delta
+                                    Resume(0, start=continuation)  a resume after a drop was
+                                        answered NOT_FOUND for an unknown handle (another gateway
+                                        replica's): the start again, going on from the tokens held
                                     Raise(error)           not retryable, attempts used up, deadline
                                     Done()                 the final event had already arrived
     Ended()                      -> Done() / Raise(UNKNOWN) without a final event

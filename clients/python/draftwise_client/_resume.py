@@ -5,7 +5,10 @@ transport fails after that (UNAVAILABLE: connection refused or reset, the gatewa
 the call torn down under the client), the client reconnects and sends
 ``ResumeGeneration(resume_handle, next_token_index)`` with the count of tokens it already
 handed to the caller; the gateway replays what followed from its buffer and goes on live.
-The caller sees one uninterrupted stream. Attempts are bounded and spaced by an exponential
+The caller sees one uninterrupted stream. A gateway that does not know the handle (the
+reconnection landed on another replica, or the retention time passed) answers NOT_FOUND; the
+client then sends the request's start again with the tokens it holds as its ``Continuation``,
+which any gateway routes, and the stream goes on at the same index. Attempts are bounded and spaced by an exponential
 backoff with jitter; :meth:`ResumePolicy.off` (or ``resume=None`` on a client) turns it off.
 
 A refusal *before* the first delta is not a resume: that is :class:`RetryPolicy`'s business.
