@@ -150,20 +150,20 @@ class GatewayMetrics:
             self.worker_healthy.remove(name)
 
     def wsgi_app(self) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
-        """The HTTP endpoint: /metrics, /healthz, 404 elsewhere."""
+        """The HTTP endpoint: /metrics, /healthz (and /health, its name on the OpenAI port), 404 elsewhere."""
         metrics_app = make_wsgi_app(self.registry)
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "")
             if path == "/metrics":
                 return metrics_app(environ, start_response)
-            if path == "/healthz":
+            if path in ("/healthz", "/health"):
                 ok = self.health_probe()
                 body = b"ok\n" if ok else b"no serving worker\n"
                 start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
                 return [body]
             start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found: try /metrics or /healthz\n"]
+            return [b"not found: try /metrics, /healthz or /health\n"]
 
         return app
 

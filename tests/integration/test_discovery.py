@@ -69,9 +69,9 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> Non
         time.sleep(0.1)
 
 
-def healthz(port: int) -> int:
+def healthz(port: int, path: str = "/healthz") -> int:
     try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).status
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
     except urllib.error.HTTPError as e:
         return e.code
 
@@ -146,12 +146,14 @@ def test_gateway_discovers_and_drops_workers(tmp_path: Path) -> None:
         mport = metrics_port(gateway)
         # nothing behind the name: alive, but not serving
         assert healthz(mport) == 503
+        assert healthz(mport, "/health") == 503  # the OpenAI port's name answers the same on this port
         assert healthy_workers(mport) == {}
         # a worker started afterwards joins once its name lists it, and serves
         workers.append(start_worker_at("w0", hosts[0], port, tmp_path).wait_ready())
         write_hosts(hosts_file, hosts[:1])
         wait_for("the first worker joins", lambda: healthy_workers(mport).get(addr[0]) == 1.0)
         assert healthz(mport) == 200
+        assert healthz(mport, "/health") == 200
         r = complete(gateway.address, "a")["a"]
         assert r.kind == "finished" and len(r.token_ids) == 8
         # a second one

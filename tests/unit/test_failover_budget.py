@@ -31,7 +31,9 @@ class Record:
     model: str = "m"
     deadline: float | None = None
     request: wpb.WorkerServiceGenerateRequest = field(
-        default_factory=lambda: wpb.WorkerServiceGenerateRequest(start=pb.StartGeneration(prompt=pb.Prompt(token_ids=pb.TokenIds(ids=[1, 2]))))
+        default_factory=lambda: wpb.WorkerServiceGenerateRequest(
+            start=pb.StartGeneration(prompt=pb.Prompt(token_ids=pb.TokenIds(ids=[1, 2])))
+        )
     )
     base_id: str = "gw-0"
     tokens: list[int] = field(default_factory=list)
