@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
+import threading
 from datetime import UTC, datetime
 from typing import IO, Literal, TextIO, cast
 
 import structlog
 
 LogFormat = Literal["auto", "json", "console"]
+
+_ABSL_PREFIX = re.compile(r"^([IWEF])\d{4} ")
+"""The start of a line absl (gRPC core's logger) writes: severity letter, month and day."""
 
 _json_lines = False
 """Whether :func:`configure_logging` chose JSON lines (read by :func:`announce`)."""
@@ -76,3 +82,56 @@ def announce(text: str, file: IO[str] | None = None, level: str = "info") -> Non
         record = {"event": text, "level": level, "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
         text = json.dumps(record)
     print(text, file=out, flush=True)
+
+
+def as_json_line(line: bytes, **fields: str) -> bytes:
+    """``line`` (one line another process wrote to stderr) as a JSON log line: unchanged when it
+    is one already, else a record with the text as its event, ``fields`` (which process), and
+    the level a gRPC core line carries (absl's prefix: E, W, I or F and the date)."""
+    text = line.decode(errors="replace").rstrip("\n")
+    if text.startswith("{"):
+        try:
+            if isinstance(json.loads(text), dict):
+                return line if line.endswith(b"\n") else line + b"\n"
+        except ValueError:
+            pass
+    absl = _ABSL_PREFIX.match(text)  # gRPC core: "E1202 04:28:03.123456  123 chttp2_transport.cc:...] ..."
+    level = {"E": "error", "F": "critical", "W": "warning"}.get(absl[1], "info") if absl else "info"
+    if not absl and text.startswith(("Traceback", "error:")):
+        level = "error"
+    record = {"event": text, "level": level, "stream": "stderr", **fields}
+    record["timestamp"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return (json.dumps(record) + "\n").encode()
+
+
+_native_wrapped = False
+
+
+def wrap_native_stderr(**fields: str) -> None:
+    """Under JSON logs, make what native code (gRPC core, C libraries) writes to file descriptor 2
+    JSON lines too: fd 2 becomes a pipe that a daemon thread reads, writing each line through
+    :func:`as_json_line` (``fields`` name the process) to the original stderr, while Python's own
+    ``sys.stderr`` writes there directly (its lines are JSON already, and none waits on the thread).
+    Called once by each process entry point after :func:`configure_logging`; nothing off JSON."""
+    global _native_wrapped
+    if not _json_lines or _native_wrapped:
+        return
+    _native_wrapped = True
+    sys.stderr.flush()
+    original = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    sys.stderr = open(original, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for line in pipe:
+                data = as_json_line(line, **fields)
+                while data:
+                    try:
+                        data = data[os.write(original, data) :]
+                    except OSError:
+                        break
+
+    threading.Thread(target=pump, name="native-stderr", daemon=True).start()

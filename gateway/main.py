@@ -24,7 +24,7 @@ from draftwise.gateway.config import GatewayConfig
 from draftwise.gateway.discovery import Discovery, DiscoveryConfig, dns_target, read_hosts_file
 from draftwise.gateway.server import Gateway, write_ready_file
 from draftwise.hop import read_secret_file
-from draftwise.logs import configure_logging
+from draftwise.logs import configure_logging, wrap_native_stderr
 
 log = structlog.get_logger("draftwise.gateway")
 
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m draftwise.gateway
         )
     try:
         configure_logging(args.log_format, args.log_level)
+        wrap_native_stderr(process="gateway")  # gRPC core's lines as JSON too, under JSON logs
         config = config_from_args(args, tuple(args.workers))
         discovery = DiscoveryConfig(
             targets=tuple(args.worker_dns), interval_s=args.discovery_interval_s, hosts_file=args.hosts_file

@@ -29,7 +29,7 @@ import structlog
 from prometheus_client import Counter
 
 from draftwise.gateway.router import Router
-from draftwise.logs import announce, json_lines
+from draftwise.logs import announce, as_json_line, json_lines
 
 log = structlog.get_logger("draftwise.serve")
 
@@ -141,10 +141,14 @@ class WorkerProcess:
         self.started_at = time.monotonic()
 
     def _copy_stderr(self, pipe: IO[bytes]) -> None:
-        """Pass the worker's stderr through to ours, keeping its last lines."""
+        """Pass the worker's stderr through to ours, keeping its last lines; under JSON logs a
+        line that is not JSON (gRPC core's, a C library's, a traceback's) is passed on as a JSON
+        record naming the worker."""
         out = getattr(sys.stderr, "buffer", None)
         for line in pipe:
             self.tail.append(line.decode(errors="replace").rstrip("\n"))
+            if json_lines():
+                line = as_json_line(line, worker=self.name)
             with contextlib.suppress(OSError, ValueError):
                 if out is not None:
                     out.write(line)

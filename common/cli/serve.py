@@ -71,7 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from draftwise.gateway.launcher import ServeConfig, serve
     from draftwise.gateway.main import config_from_args, run_loop
     from draftwise.hop import CLIENT_KEY_ENV_VARS
-    from draftwise.logs import configure_logging
+    from draftwise.logs import configure_logging, wrap_native_stderr
 
     try:  # before any worker starts: a worker takes seconds to load
         config = engine_config(args)
@@ -83,6 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         configure_logging(args.log_format, args.log_level)
+        wrap_native_stderr(process="serve")  # gRPC core's lines as JSON too, under JSON logs
         cfg = ServeConfig(
             **config_values(args, serve_flags()),
             worker_args=tuple(worker_argv(args)),

@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from draftwise.envflags import apply_env, port_number
 from draftwise.flagtable import add_flags, config_values, table
 from draftwise.hop import InternalSecretInterceptor, read_secret_file
-from draftwise.logs import configure_logging
+from draftwise.logs import configure_logging, wrap_native_stderr
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from draftwise.wire import DRAFT_MODEL_KEY, MAX_MODEL_LEN_KEY, SPEC_METHOD_KEY, SPEC_TOKENS_KEY
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m draftwise.worker.
     args = build_parser(prog).parse_args(argv)
     try:
         configure_logging(args.log_format, args.log_level)
+        wrap_native_stderr(process="worker")  # gRPC core's lines as JSON too, under JSON logs
         cfg = EngineConfig(**config_values(args, table(EngineConfig)))
     except ValueError as e:
         print(f"error: {as_flags(str(e))}", file=sys.stderr)
