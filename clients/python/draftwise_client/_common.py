@@ -1,10 +1,16 @@
-"""Connection details shared by the async and sync clients."""
+"""What the async and sync clients share: connection details, and what a session's request
+stream shows of its core."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:
+    from draftwise_client._core import RequestCore
+    from draftwise_client._resume import Progress
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
@@ -53,3 +59,26 @@ def health_status(data: bytes) -> int:
         if tag == 0x08:
             status = value
     return status
+
+
+class RequestView:
+    """What a session's request stream (async or sync) shows of its state machine."""
+
+    core: RequestCore
+    """Its state machine (attempts, resume handle, tokens received)."""
+
+    @property
+    def progress(self) -> Progress:
+        """Its resume handle and the tokens received."""
+        return self.core.progress
+
+    @property
+    def attempts(self) -> int:
+        """Times the request was sent (retries after a refusal, and sends again on a new stream
+        when the old one broke before its first delta, included)."""
+        return self.core.attempts
+
+    @property
+    def resumes(self) -> int:
+        """Times the request was resumed on a new stream after its connection dropped."""
+        return self.core.resumes

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from draftwise_client._common import RequestView
 from draftwise_client._core import (
     CLOSED,
     STOPPED,
@@ -45,7 +46,7 @@ from draftwise_client._core import (
 )
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
-from draftwise_client._resume import Progress, log
+from draftwise_client._resume import log
 from draftwise_client._types import Collector, Completion, Delta, GenerationError, SamplingParams, start_message
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def _drain(outbox: Outbox) -> Iterator[gspb.GenerateRequest]:
         yield message
 
 
-class SyncRequestStream:
+class SyncRequestStream(RequestView):
     """The deltas of one request of a :class:`SyncSession` (an iterator)."""
 
     def __init__(self, session: SyncSession, request_id: str, start: pb.StartGeneration) -> None:
@@ -69,26 +70,9 @@ class SyncRequestStream:
         self.core = RequestCore(
             start, retry=session.retry, resume=session.client.resume, deadline=session._core.deadline
         )
-        """Its state machine (attempts, resume handle, tokens received)."""
         self._queue: queue.Queue[Action] = queue.Queue()
         self._ready: deque[Delta] = deque()
         self._done = False
-
-    @property
-    def progress(self) -> Progress:
-        """Its resume handle and the tokens received."""
-        return self.core.progress
-
-    @property
-    def attempts(self) -> int:
-        """Times the request was sent (retries after a refusal, and sends again on a new stream
-        when the old one broke before its first delta, included)."""
-        return self.core.attempts
-
-    @property
-    def resumes(self) -> int:
-        """Times the request was resumed on a new stream after its connection dropped."""
-        return self.core.resumes
 
     def __iter__(self) -> SyncRequestStream:
         return self
