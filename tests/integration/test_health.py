@@ -80,9 +80,11 @@ def test_healthz_tells_the_truth(gateway: Proc, idle_gateway: Proc) -> None:
     assert (status, body) == (200, "ok\n")
     status, body = http_status(metrics_port(idle_gateway), "/healthz")
     assert (status, body) == (503, "no serving worker\n")
-    for path in ("/", "/metricsx", "/healthz/x"):
+    status, body = http_status(metrics_port(idle_gateway), "/health")  # the OpenAI port's name, here too
+    assert (status, body) == (503, "no serving worker\n")
+    for path in ("/", "/metricsx", "/healthz/x", "/health/x"):
         status, body = http_status(metrics_port(gateway), path)
-        assert status == 404 and "try /metrics or /healthz" in body
+        assert status == 404 and "try /metrics, /healthz or /health" in body
     status, body = http_status(metrics_port(gateway), "/metrics")
     assert status == 200 and "draftwise_requests_in_flight" in body
 
