@@ -28,7 +28,7 @@ def test_relative_and_function_level_imports_are_read(tmp_path: Path) -> None:
         "from . import sibling\nfrom ..engine.request import Request\ndef f():\n    import draftwise.gateway.x\n"
     )
     names = [n for _, n in script.imported_names(f, "draftwise.worker.text.mod")]
-    assert names == ["draftwise.worker.text.sibling", "draftwise.worker.core.request.Request", "draftwise.gateway.x"]
+    assert names == ["draftwise.worker.text.sibling", "draftwise.worker.engine.request.Request", "draftwise.gateway.x"]
 
 
 def test_an_import_of_no_module_is_reported() -> None:

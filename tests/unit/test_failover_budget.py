@@ -5,6 +5,7 @@ still means no mid-stream failover. No process: prepare_failover on a stand-in r
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +52,14 @@ class Record:
 
 
 def _record(max_failovers: int) -> Record:
+    """A record over a real Core (its Router's channels need an event loop: made inside one)."""
     config = GatewayConfig(workers=("127.0.0.1:1",), max_failovers=max_failovers)
     metrics = GatewayMetrics()
-    return Record(Core(config, Router(config.workers, metrics), Admission(16, 250), metrics, "gw"))
+
+    async def make() -> Core:
+        return Core(config, Router(config.workers, metrics), Admission(16, 250), metrics, "gw")
+
+    return Record(asyncio.run(make()))
 
 
 def _fail(r: Record, new_tokens: int) -> None:
