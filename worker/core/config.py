@@ -6,8 +6,10 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from draftwise.worker.paths import is_model_name
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
-SPECULATIVE_METHODS = ("draft", "ngram")
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa")
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -35,8 +37,12 @@ class EngineConfig:
     enforce_eager: bool = False  # never use CUDA graphs (graph capture is CUDA-only; CPU is always eager)
     retain_freed_memory: bool = True  # glibc: keep freed heap memory in the process (worker/engine/host_memory.py)
     # --- speculative decoding (docs/engine.md); all unset: no speculation
-    speculative_model: str | Path | None = None  # draft checkpoint folder, or "default": the embedded draft
-    speculative_method: str | None = None  # "draft" | "ngram"; None: "draft" when speculative_model is set
+    speculative_model: str | Path | None = (
+        None  # draft checkpoint folder, or "default": the embedded draft; eagle/medusa: a head folder (None: the head shipped for the target)
+    )
+    speculative_method: str | None = (
+        None  # "draft" | "ngram" | "eagle" | "medusa"; None: "draft" when speculative_model is set
+    )
     num_speculative_tokens: int | None = None  # most tokens drafted per request per step; None: 5
     speculative_adaptive: bool = True  # the policy picks k <= num_speculative_tokens; False: always exactly that
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched; None: 1
@@ -93,12 +99,12 @@ class EngineConfig:
                 raise ValueError(
                     f"{', '.join(given)} set without speculation: give speculative_model or speculative_method"
                 )
-        elif self.spec_method == "draft" and (lo is not None or hi is not None):
+        elif self.spec_method != "ngram" and (lo is not None or hi is not None):
             raise ValueError("prompt_lookup_min/max apply to speculative_method='ngram' only")
 
     @property
     def spec_method(self) -> str | None:
-        """The speculative method in effect: "draft", "ngram" or None (no speculation)."""
+        """The speculative method in effect: "draft", "ngram", "eagle", "medusa" or None (no speculation)."""
         if self.speculative_method is not None:
             return self.speculative_method
         return "draft" if self.speculative_model is not None else None
@@ -120,7 +126,7 @@ def missing_paths(config: EngineConfig) -> list[tuple[str, str]]:
     out = []
     for name in ("model", "tokenizer", "speculative_model"):
         value = getattr(config, name)
-        if value is None or (name == "speculative_model" and str(value) == "default"):
+        if value is None or (name != "tokenizer" and is_model_name(value)):
             continue
         if not Path(value).exists():
             out.append((name, str(value)))

@@ -26,21 +26,22 @@ from draftwise.worker.core.containment import (
     is_step_fatal,
     isolate,
 )
-from draftwise.worker.core.outputs import SpecStats, StepOutput, StepStats
+from draftwise.worker.core.outputs import SpecStats, StepOutput
 from draftwise.worker.core.request import FinishReason, Request, RequestStatus
 from draftwise.worker.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.intake import Intake
 from draftwise.worker.engine.sizing import batch_token_budget, capture_graphs, num_kv_blocks, warm_up_kernels
-from draftwise.worker.engine.step_data import StepReport, StepTokens, logit_rows
+from draftwise.worker.engine.step_data import StepReport, StepTokens, logit_rows, step_stats
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
-from draftwise.worker.paths import default_model_path
+from draftwise.worker.paths import resolve_model
 from draftwise.worker.sampling.sampler import Sampler
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan, check_speculative_model, load_draft
+from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan
 from draftwise.worker.speculative.draft import DraftModelProposer
+from draftwise.worker.speculative.loading import check_speculative_model, load_draft, load_spec_head
 from draftwise.worker.text.chat import ChatPrompt, RenderedChat
 from draftwise.worker.text.output_processor import OutputProcessor
 from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
@@ -61,7 +62,7 @@ class LLMEngine:
         ensure_logging()
         self.config = config = config or EngineConfig()
         self.retains_freed_memory = config.retain_freed_memory and retain_freed_memory()
-        folder = Path(config.model) if config.model is not None else default_model_path("target")
+        folder = resolve_model(config.model)
         check_speculative_model(config)  # before the (possibly long) target load
         self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
         mcfg = self.loaded.config
@@ -78,7 +79,7 @@ class LLMEngine:
         self.eos_token_ids = self.intake.eos_token_ids
 
         max_batched = batch_token_budget(config, self.max_model_len)
-        draft = load_draft(config, self.loaded, self.max_model_len)
+        draft = load_draft(config, self.loaded, self.max_model_len) or load_spec_head(config, self.loaded)
         # memory_profile: what the CUDA profile measured (None: not profiled)
         num_blocks, self.memory_profile = num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len)
         capacity = num_blocks * config.block_size
@@ -90,9 +91,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device)
         self.runner = ModelRunner(self.loaded, self.kv_cache)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.spec: SpecDecoder | None = SpecDecoder.build(
-            config, draft, mcfg.vocab_size, num_blocks, self.max_model_len
-        )
+        self.spec: SpecDecoder | None = SpecDecoder.build(config, draft, self.loaded, num_blocks, self.max_model_len)
         self.spec_method: str | None = None if self.spec is None else self.spec.method
         k = config.max_draft_tokens
         draft_runner = self.proposer.runner if self.proposer is not None else None
@@ -117,6 +116,7 @@ class LLMEngine:
         self._pending = StepReport()  # aborts, reported with the next step
         self.dead: str | None = None  # why the engine stopped (EngineDeadError); None while it runs
         self.num_steps = 0
+        self._hidden = torch.empty(0)  # the last forward pass's hidden states, when the proposer reads them
         log.info(
             "kv cache ready",
             blocks=num_blocks,
@@ -251,6 +251,8 @@ class LLMEngine:
             num_tokens = sum(s.num_new_tokens for s in scheduled)
             t_run = time.perf_counter()
             scheduled, logits = self._run(step, scheduled)  # [sum of num_logits, vocab]
+            if spec is not None and spec.wants_hidden and scheduled:
+                spec.observe(scheduled, self._hidden)
             plain, verify = logit_rows(scheduled)
             results = self._sample(step, logits, plain) + self._verify(step, logits, verify)
             self.scheduler.update_from_output(scheduled, {v.request.request_id: v.num_accepted for v in results})
@@ -258,7 +260,8 @@ class LLMEngine:
             if spec is not None and pure:
                 spec.record_target_step(num_tokens, time.perf_counter() - t_run)
         self.num_steps += 1
-        return StepOutput(step.deltas, step.finished, self._stats(scheduled, sched, t0, proposed, accepted))
+        stats = step_stats(scheduled, sched, self.scheduler, self.blocks.num_free_blocks, t0, (proposed, accepted))
+        return StepOutput(step.deltas, step.finished, stats)
 
     # ------------------------------------------------------------------ phases
 
@@ -282,20 +285,27 @@ class LLMEngine:
         ones that fail by themselves (finished with their error), and the rest run again
         together. Rerunning is safe: a forward pass only writes KV at positions not yet counted."""
         try:
-            return scheduled, self.runner.run([self._chunk(s) for s in scheduled])
+            return scheduled, self._forward([self._chunk(s) for s in scheduled])
         except Exception as e:
             if is_step_fatal(e):
                 raise
             first = e
         log.warning("forward pass failed for the batch; isolating", error=repr(first), sequences=len(scheduled))
-        done, failed = isolate(scheduled, lambda ss: [self.runner.run([self._chunk(s) for s in ss])], _req)
+        done, failed = isolate(scheduled, lambda ss: [self._forward([self._chunk(s) for s in ss])], _req)
         self._fail(step, failed)
         if not done:
             return [], torch.empty(0)
         if not failed:  # no sequence fails alone: the batch itself is broken
             raise EngineDeadError(f"the forward pass fails for the batch but for no sequence alone: {first!r}")
         survivors = [s for s, _ in done]
-        return survivors, self.runner.run([self._chunk(s) for s in survivors])
+        return survivors, self._forward([self._chunk(s) for s in survivors])
+
+    def _forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """The target's pass; keeps its hidden states (``_hidden``) when the proposer reads them."""
+        if self.spec is None or not self.spec.wants_hidden:
+            return self.runner.run(chunks)
+        logits, self._hidden = self.runner.run_hidden(chunks)
+        return logits
 
     def _chunk(self, s: ScheduledRequest) -> SequenceChunk:
         r = s.request
@@ -356,21 +366,6 @@ class LLMEngine:
             if r.is_finished:
                 self._forget(r)
         return proposed, accepted
-
-    def _stats(
-        self, scheduled: list[ScheduledRequest], sched: SchedulerOutput, t0: float, proposed: int, accepted: int
-    ) -> StepStats:
-        return StepStats(
-            num_scheduled=len(scheduled),
-            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preempted=len(sched.preempted),
-            num_free_blocks=self.blocks.num_free_blocks,
-            step_time=time.perf_counter() - t0,
-            num_spec_proposed=proposed,
-            num_spec_accepted=accepted,
-        )
 
     # ------------------------------------------------------------------ finishing
 

@@ -20,6 +20,8 @@ from draftwise.worker.model.kv_cache import bytes_per_block
 from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.model.model_runner import ModelRunner
 from draftwise.worker.speculative.decoder import MAX_INLINE_BACKLOG
+from draftwise.worker.speculative.heads import LoadedHead
+from draftwise.worker.speculative.loading import head_kv_bytes_per_block
 
 __all__ = [
     "CPU_MAX_DEFAULT_KV_BYTES",
@@ -62,14 +64,22 @@ def batch_token_budget(config: EngineConfig, max_model_len: int) -> int:
 
 
 def num_kv_blocks(
-    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_batched: int, max_model_len: int
+    config: EngineConfig,
+    target: LoadedModel,
+    drafter: LoadedModel | LoadedHead | None,
+    max_batched: int,
+    max_model_len: int,
 ) -> tuple[int, MemoryProfile | None]:
-    """Blocks for the target's KV pool (with a draft model, the draft's pool gets as many
-    blocks of the same size, and both come out of the one budget), and the memory profile
+    """Blocks for the target's KV pool (with a draft model or an EAGLE head, its own pool
+    gets as many blocks of its size, and both come out of the one budget), and the memory profile
     that sized them (None unless it was measured: CUDA without an explicit budget)."""
     per_block = bytes_per_block(target.config, config.block_size, target.dtype)
+    draft = drafter if isinstance(drafter, LoadedModel) else None
     if draft is not None:
         per_block += bytes_per_block(draft.config, config.block_size, draft.dtype)
+    per_block += head_kv_bytes_per_block(
+        drafter if isinstance(drafter, LoadedHead) else None, target, config.block_size
+    )
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, None
     prof = None

@@ -4,11 +4,12 @@ are whose."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from draftwise.worker.core.outputs import RequestDelta, RequestOutput
+from draftwise.worker.core.outputs import RequestDelta, RequestOutput, StepStats
 from draftwise.worker.core.request import Request
-from draftwise.worker.core.scheduler import ScheduledRequest
+from draftwise.worker.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.speculative.decoder import Verified
 
@@ -57,3 +58,25 @@ def logit_rows(
             plain.append((s.request, row))
             row += 1
     return plain, verify
+
+
+def step_stats(
+    scheduled: list[ScheduledRequest],
+    sched: SchedulerOutput,
+    scheduler: Scheduler,
+    num_free_blocks: int,
+    t0: float,
+    spec: tuple[int, int],  # drafts verified, accepted drafts that reached the output
+) -> StepStats:
+    """The step's stats, as it ends."""
+    return StepStats(
+        num_scheduled=len(scheduled),
+        num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preempted=len(sched.preempted),
+        num_free_blocks=num_free_blocks,
+        step_time=time.perf_counter() - t0,
+        num_spec_proposed=spec[0],
+        num_spec_accepted=spec[1],
+    )

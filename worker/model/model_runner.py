@@ -99,16 +99,27 @@ class ModelRunner:
             logits = self.graph_runner.replay(batch)
             if logits is not None:
                 return logits
-        return self._run_eager(batch)
+        return self._run_eager(batch)[0]
+
+    @torch.inference_mode()
+    def run_hidden(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run`, also returning the final hidden states of every new token (the LM
+        head's input, ``[sum of new tokens, hidden]`` in the chunks' order): what proposers
+        that read the target's hidden states take, at no extra pass. Runs eagerly (CUDA
+        graphs keep only the logit rows of the padded step)."""
+        if not chunks:
+            raise ValueError("empty batch")
+        return self._run_eager(self._flat(chunks))
 
     def _flat(self, chunks: Sequence[SequenceChunk]) -> FlatBatch:
         return FlatBatch.build(chunks, self.block_size, self.model.rope.max_positions)
 
-    def _run_eager(self, batch: FlatBatch) -> torch.Tensor:  # [L, vocab] float32
-        """``batch`` uploaded as it is (one copy per dtype), over the persistent block-table rows."""
+    def _run_eager(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor]:  # [L, vocab] float32, [N, hidden]
+        """``batch`` uploaded as it is (one copy per dtype), over the persistent block-table
+        rows: the logits asked for and the hidden states of every token."""
         dev = batch.upload(self.device)
         tables = self.block_tables.gather(batch.block_tables)  # [S, W] int32
         meta = AttentionMetadata.for_batch(batch, dev, tables, self.block_size)
         hidden = self.model(dev.input_ids, dev.positions, self.kv_cache.layers, meta, self.backend)  # [N, hidden]
         selected = hidden if batch.logit_rows.shape[0] == batch.num_tokens else hidden[dev.logit_rows]
-        return self.model.compute_logits(selected)
+        return self.model.compute_logits(selected), hidden

@@ -25,28 +25,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from draftwise.worker.core.config import EngineConfig
-from draftwise.worker.core.containment import Failure, contain, contain_each
+from draftwise.worker.core.containment import Failure, contain, contain_each, is_step_fatal
 from draftwise.worker.core.outputs import SpecStats
 from draftwise.worker.core.request import Request
-from draftwise.worker.model.gguf import is_gguf_path
-from draftwise.worker.model.loader import LoadedModel, load_model
-from draftwise.worker.model.model_config import ModelLoadError
-from draftwise.worker.paths import default_model_path
+from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.sampling.sampler import SamplingRow, TokenLogprobs, processed_probs, token_logprobs
 from draftwise.worker.speculative.draft import DraftModelProposer
+from draftwise.worker.speculative.heads import LoadedHead
+from draftwise.worker.speculative.hidden import EagleProposer, MedusaProposer
 from draftwise.worker.speculative.ngram import NgramProposer
 from draftwise.worker.speculative.policy import CostModel, PolicyConfig, RequestSpecState, SpeculationPolicy
-from draftwise.worker.speculative.proposer import Proposer
+from draftwise.worker.speculative.proposer import Observed, Proposer
 from draftwise.worker.speculative.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
     from draftwise.worker.core.scheduler import ScheduledRequest
+
+log = structlog.get_logger("draftwise.spec")
 
 
 @dataclass
@@ -87,40 +88,6 @@ target's last token, or the last draft and the bonus token of a fully accepted r
 request further behind is caught up first, through the token budget (:meth:`SpecDecoder.catch_up`)."""
 
 
-def check_speculative_model(config: EngineConfig) -> None:
-    """ModelLoadError when ``config.speculative_model`` names no checkpoint folder, .gguf file
-    or "default" (checked before the target's load, which may be long)."""
-    name = config.speculative_model
-    if name is None or str(name) == "default":
-        return
-    path = Path(name)
-    if not (path.is_dir() or (path.is_file() and is_gguf_path(path))):
-        raise ModelLoadError(f"speculative_model: {name}: not a checkpoint folder or .gguf file (or 'default')")
-
-
-def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
-    """The draft model when ``config`` speculates with one (checked against the target)."""
-    if config.spec_method != "draft":
-        return None
-    name = str(config.speculative_model)
-    folder = default_model_path("draft") if name == "default" else Path(name)
-    try:
-        draft = load_model(folder, dtype=target.dtype, device=target.device)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"speculative_model: {e}") from e
-    if draft.config.max_position_embeddings < max_model_len:
-        raise ValueError(
-            f"the draft model's context ({draft.config.max_position_embeddings}) is shorter than "
-            f"max_model_len={max_model_len}: lower max_model_len"
-        )
-    if draft.config.vocab_size > target.config.vocab_size:
-        raise ValueError(
-            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
-            f"({target.config.vocab_size}): draft and target must share a tokenizer"
-        )
-    return draft
-
-
 class SpecDecoder:
     """Plan → catch up → propose → verify → settle; all speculation state."""
 
@@ -141,15 +108,26 @@ class SpecDecoder:
 
     @classmethod
     def build(
-        cls, config: EngineConfig, draft: LoadedModel | None, target_vocab: int, num_blocks: int, max_model_len: int
+        cls,
+        config: EngineConfig,
+        draft: LoadedModel | LoadedHead | None,
+        target: LoadedModel,
+        num_blocks: int,
+        max_model_len: int,
     ) -> SpecDecoder | None:
-        """The decoder ``config`` asks for (None: no speculation). A draft model's cache gets
-        ``num_blocks`` blocks, as many as the target's."""
+        """The decoder ``config`` asks for (None: no speculation). A draft model's cache, and
+        an EAGLE head's, gets ``num_blocks`` blocks, as many as the target's."""
         if config.spec_method is None:
             return None
         proposer: Proposer
-        if draft is not None:
-            proposer = DraftModelProposer(draft, num_blocks, config.block_size, target_vocab)
+        vocab = target.config.vocab_size
+        if isinstance(draft, LoadedHead):
+            if draft.config.kind == "eagle":
+                proposer = EagleProposer(draft, target.model, vocab, num_blocks, config.block_size)
+            else:
+                proposer = MedusaProposer(draft, target.model, vocab)
+        elif draft is not None:
+            proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab)
         else:
             proposer = NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 4)
         return cls(config, proposer, max_model_len)
@@ -186,6 +164,46 @@ class SpecDecoder:
         """``req``'s final output is built: drop its state."""
         self.release(req)
         self.requests.pop(req.request_id, None)
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the proposer reads the target's hidden states (:meth:`observe`)."""
+        return self.proposer.wants_hidden
+
+    def observe(self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """After the target's forward pass over ``scheduled`` (before their progress is
+        updated): hand the proposer each speculating request's new tokens and their rows of
+        ``hidden`` ([sum of new tokens, hidden], in the pass's order). A request whose
+        observation fails only stops speculating (its proposer state is released)."""
+        items, at = [], 0
+        for s in scheduled:
+            r, n = s.request, s.num_new_tokens
+            if r.request_id in self.requests and not r.is_finished:
+                start = r.num_computed_tokens
+                toks = (
+                    r.token_slice(start, start + 1) + self.draft_tokens(r)
+                    if s.num_draft_tokens
+                    else r.token_slice(start, start + n)
+                )
+                items.append(Observed(r, start, toks, hidden[at : at + n]))
+            at += n
+        try:
+            self.proposer.observe(items)
+        except Exception as e:
+            if is_step_fatal(e):
+                raise
+            for it in items:
+                try:
+                    self.proposer.observe([it])
+                except Exception as e1:
+                    if is_step_fatal(e1):
+                        raise
+                    log.warning(
+                        "hidden-state observation failed; the request stops speculating",
+                        request_id=it.request.request_id,
+                        error=repr(e1),
+                    )
+                    self.proposer.release(it.request)
 
     def draft_tokens(self, req: Request) -> list[int]:
         """This step's drafts of ``req`` (the target verifies them after its last token)."""
@@ -396,4 +414,4 @@ def _stack_q(
     return torch.cat(parts)
 
 
-__all__ = ["SpecDecoder", "load_draft"]
+__all__ = ["SpecDecoder"]

@@ -42,10 +42,10 @@ from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.sampling.sampler import processed_probs, sample_from_probs
 from draftwise.worker.speculative.proposer import Proposal, Proposer
 
-__all__ = ["DraftKV", "DraftModelProposer"]
+__all__ = ["DraftKV", "DraftModelProposer", "plain_greedy"]
 
 
-def _plain_greedy(req: Request, num_drafted: int) -> bool:
+def plain_greedy(req: Request, num_drafted: int) -> bool:
     """Greedy with nothing that reshapes the logits at this position: no penalties and
     min_tokens already met (counting the tokens drafted before it)."""
     p = req.sampling_params
@@ -131,7 +131,7 @@ class DraftModelProposer(Proposer):
         in it samples), so it is built for every row here, greedy rows included (one-hot),
         whichever rows are still drafting at this step. Otherwise, greedy rows with nothing
         to mask (no penalties, min_tokens met) take the argmax directly and q is not built."""
-        if not need_q and all(_plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
+        if not need_q and all(plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
             return None, [int(t) for t in logits.argmax(dim=-1).tolist()]
         if logits.shape[1] < self.target_vocab:
             # a draft with a smaller (unpadded) vocabulary: the entries beyond it are impossible

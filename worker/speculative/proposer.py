@@ -4,7 +4,8 @@ A proposer guesses the next tokens of decoding requests; the target verifies the
 its own forward pass and exact rejection sampling keeps what the target would have sampled
 (docs/engine.md, "Speculative decoding"). Two are built in: a draft model with its own paged
 KV cache (:mod:`draftwise.worker.speculative.draft`) and n-gram prompt lookup
-(:mod:`draftwise.worker.speculative.ngram`); Medusa heads or a suffix cache would be further ones.
+(:mod:`draftwise.worker.speculative.ngram`), and trained EAGLE and Medusa heads that read the
+target's hidden states (:mod:`draftwise.worker.speculative.hidden`).
 
 Invariants every proposer keeps:
 
@@ -23,6 +24,9 @@ Invariants every proposer keeps:
 - **Catching up** is :meth:`Proposer.catch_up`: a proposer whose state lags a request's
   tokens (:meth:`Proposer.backlog`: the draft model after the prompt, a preemption or a pause)
   reads them in budgeted chunks before it drafts for it again; see the SpecDecoder.
+- **Hidden states**: a proposer with ``wants_hidden`` is handed the target's final hidden
+  state of every token of every forward pass (:meth:`Proposer.observe`, right after the pass,
+  before verification), at no extra pass; the others never see them.
 - **Failure** is an exception; the SpecDecoder then releases the requests involved and retries
   them one by one, so a proposer must come out of a failed call with every request releasable.
 """
@@ -39,7 +43,17 @@ if TYPE_CHECKING:
 
     from draftwise.worker.core.request import Request
 
-__all__ = ["Proposal", "Proposer"]
+__all__ = ["Observed", "Proposal", "Proposer"]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One request's share of a target forward pass, for proposers that read hidden states."""
+
+    request: Request
+    start: int  # the position of its first new token
+    token_ids: list[int]  # the new tokens (a verify pass: the last token, then the drafts)
+    rows: torch.Tensor  # [len(token_ids), hidden]: their final hidden states
 
 
 @dataclass(frozen=True)
@@ -59,7 +73,14 @@ class Proposer(ABC):
     """Proposes draft tokens for decoding requests (see the module docstring's invariants)."""
 
     name: str
-    """``"draft"`` or ``"ngram"``: how ListModels and the logs name the method."""
+    """``"draft"``, ``"ngram"``, ``"eagle"`` or ``"medusa"``: how ListModels and the logs name the method."""
+
+    wants_hidden: bool = False
+    """Whether :meth:`observe` is to be called (the engine then keeps the hidden states)."""
+
+    def observe(self, items: Sequence[Observed]) -> None:  # noqa: B027 - proposers that read no hidden states
+        """The target's forward pass computed ``items`` (per request: its new tokens and their
+        final hidden states); only called when ``wants_hidden``."""
 
     def can_draft(self, req: Request) -> bool:  # noqa: ARG002 - proposers that read every token
         """Whether this proposer can read every token of ``req``; a request it cannot is not

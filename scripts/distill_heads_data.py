@@ -1,0 +1,174 @@
+"""Self-distillation data for the draft heads: the target's own answers to the training
+prompts (``scripts/head_prompts.py``), with the target's final hidden states at every
+position, made in one pass (as EAGLE-3 and Medusa-2 recommend: the heads learn the
+distribution they will be verified against).
+
+Each prompt is rendered with the model's chat template (``--raw``: fed as plain text, for
+the embedded code model, which has none) and answered by the target itself through our own
+model runner and paged KV cache, batched, up to ``--max-new`` tokens: greedily for a
+``1 - --sampled`` share of the prompts and at temperature 0.7 for the rest (seeded). The
+hidden state of every position the target computed (the LM head's input) is kept in
+float16.
+
+Output: shards ``<out>/shard_NNN.pt``, each ``{"tokens": int32 [sum L], "feats": float16
+[sum (L - 1), hidden], "lengths": [L...], "prompt_lengths": [P...], "kinds": [...]}`` (a
+sequence of L tokens has L - 1 features: the last token is never fed). Shards are written as
+batches finish, so an interrupted run keeps what it made; a rerun skips shards that exist.
+
+    python scripts/distill_heads_data.py --model smollm2-135m-instruct --out .cache/heads/smollm2/data
+    python scripts/distill_heads_data.py --model default --raw --out .cache/heads/default/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from head_prompts import training_prompts  # noqa: E402
+
+from draftwise.worker.core.block_manager import BlockManager  # noqa: E402
+from draftwise.worker.engine.intake import Intake  # noqa: E402
+from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
+from draftwise.worker.model.loader import load_model  # noqa: E402
+from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+from draftwise.worker.paths import resolve_model  # noqa: E402
+from draftwise.worker.text.chat import ChatPrompt  # noqa: E402
+from draftwise.worker.text.tokenizer import load_tokenizer  # noqa: E402
+
+PREFILL_TOKENS = 2048  # tokens per prefill forward pass
+
+
+def encode(
+    prompts: list[tuple[str, str]], folder: Path, eos: tuple[int, ...], raw: bool, max_prompt: int
+) -> tuple[list[list[int]], tuple[int, ...]]:
+    tok = load_tokenizer(folder)
+    intake = Intake(tok, folder, eos, 8192, 1 << 30, 0)
+    stops = set(intake.eos_token_ids)
+    out = []
+    for _, p in prompts:
+        if raw:
+            ids = tok.encode(p)
+        else:
+            r = intake.encode_chat(ChatPrompt.from_messages([{"role": "user", "content": p}]))
+            ids = r.token_ids
+            stops.update(r.stop_token_ids)
+        out.append(ids[-max_prompt:])
+    return out, tuple(sorted(stops))
+
+
+def generate(
+    runner: ModelRunner,
+    blocks: BlockManager,
+    prompts: list[list[int]],
+    temps: list[float],
+    stops: tuple[int, ...],
+    max_new: int,
+    gen: torch.Generator,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Answer ``prompts`` together; per prompt (tokens, features [L - 1, hidden] float16)."""
+    n = len(prompts)
+    tables = [[] for _ in range(n)]
+    toks = [list(p) for p in prompts]
+    feats: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    # prefill, packed into passes of at most PREFILL_TOKENS tokens (a prompt is never split)
+    last_logits: list[torch.Tensor | None] = [None] * n
+    order = list(range(n))
+    while order:
+        group, used = [], 0
+        while order and (not group or used + len(prompts[order[0]]) <= PREFILL_TOKENS):
+            i = order.pop(0)
+            group.append(i)
+            used += len(prompts[i])
+        chunks = []
+        for i in group:
+            if not blocks.grow(tables[i], len(prompts[i]) + max_new):
+                raise RuntimeError("KV pool too small")
+            chunks.append(SequenceChunk(prompts[i], 0, tables[i], 1))
+        logits, hidden = runner.run_hidden(chunks)
+        at = 0
+        for row, i in enumerate(group):
+            feats[i].append(hidden[at : at + len(prompts[i])].to(torch.float16))
+            at += len(prompts[i])
+            last_logits[i] = logits[row]
+    active = list(range(n))
+    stop_set = set(stops)
+    while active:
+        nxt = []
+        for i in active:
+            lg = last_logits[i]
+            assert lg is not None
+            if temps[i] == 0:
+                t = int(lg.argmax())
+            else:
+                t = int(torch.multinomial(torch.softmax(lg / temps[i], -1), 1, generator=gen))
+            toks[i].append(t)
+            if t not in stop_set and len(toks[i]) - len(prompts[i]) < max_new:
+                nxt.append(i)
+        active = nxt
+        if not active:
+            break
+        chunks = [SequenceChunk([toks[i][-1]], len(toks[i]) - 1, tables[i], 1) for i in active]
+        logits, hidden = runner.run_hidden(chunks)
+        for row, i in enumerate(active):
+            feats[i].append(hidden[row : row + 1].to(torch.float16))
+            last_logits[i] = logits[row]
+    for t in tables:
+        blocks.free(t)
+    return [(toks[i], torch.cat(feats[i])[: len(toks[i]) - 1]) for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a model folder, .gguf file, alias, or 'default'")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--count", type=int, default=1200, help="training prompts")
+    ap.add_argument("--max-new", type=int, default=160)
+    ap.add_argument("--max-prompt", type=int, default=384, help="longest prompt kept (its last tokens)")
+    ap.add_argument("--batch", type=int, default=48, help="prompts answered together")
+    ap.add_argument("--sampled", type=float, default=0.4, help="share of prompts answered at temperature 0.7")
+    ap.add_argument("--raw", action="store_true", help="feed prompts as plain text (no chat template)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    folder = resolve_model(args.model)
+    pairs = training_prompts(args.count, args.seed)
+    loaded = load_model(folder, dtype="float32")
+    ids, stops = encode(pairs, folder, loaded.config.eos_token_ids, args.raw, args.max_prompt)
+    bs = 16
+    per_seq = -(-(args.max_prompt + args.max_new) // bs)
+    blocks = BlockManager(per_seq * args.batch + 1, bs)
+    runner = ModelRunner(loaded, KVCache(loaded.config, per_seq * args.batch + 1, bs, loaded.dtype, loaded.device))
+    args.out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(args.seed)
+    temps = [0.7 if (i * 0.618) % 1 < args.sampled else 0.0 for i in range(len(ids))]
+    t0, made = time.perf_counter(), 0
+    for shard, lo in enumerate(range(0, len(ids), args.batch)):
+        path = args.out / f"shard_{shard:03d}.pt"
+        if path.exists():
+            continue
+        hi = min(lo + args.batch, len(ids))
+        res = generate(runner, blocks, ids[lo:hi], temps[lo:hi], stops, args.max_new, gen)
+        lengths = [len(t) for t, _ in res]
+        made += sum(lengths[j] - len(ids[lo + j]) for j in range(hi - lo))
+        torch.save(
+            {
+                "tokens": torch.tensor([t for ts, _ in res for t in ts], dtype=torch.int32),
+                "feats": torch.cat([f for _, f in res]),
+                "lengths": lengths,
+                "prompt_lengths": [len(p) for p in ids[lo:hi]],
+                "kinds": [k for k, _ in pairs[lo:hi]],
+                "temperatures": temps[lo:hi],
+            },
+            path,
+        )
+        el = time.perf_counter() - t0
+        print(f"shard {shard}: {hi}/{len(ids)} prompts, {made} new tokens, {made / el:.1f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

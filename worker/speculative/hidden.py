@@ -1,0 +1,313 @@
+"""Proposers that read the target's hidden states: EAGLE and Medusa heads
+(:mod:`draftwise.worker.speculative.heads`).
+
+The target's forward pass hands them the final hidden state of every token it computed
+(:meth:`HiddenStateProposer.observe`, right after the pass, before verification): no extra
+pass of the target. Per request they keep a :class:`Track`: the feature ``f_{M-1}`` of the
+last position the target has computed (``M`` tokens computed), what the EAGLE layer's KV
+cache holds, and, after a verify pass, the features of its ``k + 1`` positions until
+:meth:`settle` knows how many were accepted.
+
+In steady decoding a request of ``N`` tokens has ``M = N - 1`` (its last token is not yet
+computed) and ``f_{N-2}``, the state its last token was sampled from:
+
+- **Medusa** drafts ``x_N .. x_{N+k-1}`` from ``f_{N-2}`` alone, head ``i`` giving ``x_{N-1+i}``;
+- **EAGLE** runs its layer at position ``N - 1`` over ``(x_{N-1}, f_{N-2})`` (the one token it
+  lags behind: its backlog is 1), drafts ``d_1``, then feeds its own output back for
+  ``d_2 .. d_k`` at positions ``N .. N+k-2`` (scratch KV). In ``observe`` it recomputes
+  positions ``N .. N+k-1`` with the target's real features (tokens ``d_1 .. d_k``), and
+  ``settle`` keeps the accepted ``a`` of them: the EAGLE cache then holds positions
+  ``< N + a`` with real features, exactly what the next proposal needs.
+
+Draft tokens come from the head's draft vocabulary; q is the request's own processed
+distribution over it (:func:`~draftwise.worker.sampling.sampler.processed_probs` of the draft
+logits placed in the target's vocabulary, -inf elsewhere), drawn with keyed noise like every
+draft, so exact rejection sampling and the seeded coupling apply unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise.kernels import AttentionMetadata, get_attention_backend
+from draftwise.kernels.flat_batch import FlatBatch
+from draftwise.worker.core.block_manager import BlockManager, BlockTable
+from draftwise.worker.core.request import Request
+from draftwise.worker.model.block_tables import BlockTableRows
+from draftwise.worker.model.chunk import SequenceChunk
+from draftwise.worker.model.kv_cache import KVCache
+from draftwise.worker.model.llama import LlamaModel
+from draftwise.worker.sampling.sampler import processed_probs, sample_from_probs
+from draftwise.worker.speculative.draft import plain_greedy
+from draftwise.worker.speculative.heads import EagleHead, LoadedHead, MedusaHeads, head_model_config
+from draftwise.worker.speculative.proposer import Observed, Proposal, Proposer
+
+__all__ = ["EagleProposer", "HiddenStateProposer", "MedusaProposer", "Track"]
+
+MAX_TAIL = 17  # a verify pass has at most 1 + MAX_SPECULATIVE_TOKENS positions: their features wait for settle
+
+
+@dataclass
+class Track:
+    """One request's hidden-state bookkeeping."""
+
+    computed: int = 0  # target positions whose features were seen (< computed); EAGLE: also its KV
+    last_feat: torch.Tensor | None = None  # [hidden]: f_{computed - 1}
+    tail: torch.Tensor | None = None  # [n, hidden]: the last verify pass's features
+    tail_start: int = 0  # position of tail[0]
+    block_table: list[int] = field(default_factory=BlockTable)  # EAGLE: blocks of the head's own pool
+
+
+class HiddenStateProposer(Proposer):
+    """What EAGLE and Medusa share: tracking the target's features per request, drafting
+    from the draft vocabulary."""
+
+    wants_hidden = True
+
+    def __init__(self, head: LoadedHead, target: LlamaModel, target_vocab: int) -> None:
+        self.head = head
+        self.target = target
+        self.target_vocab = target_vocab
+        self.tracks: dict[str, Track] = {}
+
+    def can_draft(self, req: Request) -> bool:
+        """Only a request whose every computed position was observed, up to its last token."""
+        t = self.tracks.get(req.request_id)
+        return t is not None and t.computed == req.num_tokens - 1 and t.last_feat is not None
+
+    def backlog(self, req: Request) -> int:
+        return 0 if self.can_draft(req) else req.num_tokens
+
+    def observe(self, items: Sequence[Observed]) -> None:
+        """The target computed ``items``' tokens: remember their features (EAGLE: and runs its
+        layer over them). A request whose earlier positions were not all seen (state lost to
+        a failure) is dropped: it is not drafted for again (:meth:`can_draft`)."""
+        for it in items:
+            t = self.tracks.get(it.request.request_id)
+            if it.start == 0 and t is None:
+                t = self.tracks[it.request.request_id] = Track()
+            if t is None or t.computed not in (it.start, it.start + 1):
+                self.release(it.request)
+                continue
+            n = len(it.token_ids)
+            t.tail, t.tail_start = (it.rows, it.start) if n <= MAX_TAIL else (None, 0)
+            t.last_feat = it.rows[-1]
+            t.computed = it.start + n
+
+    def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
+        """Keep the features of the accepted prefix: f up to position ``N - 1 + accepted``."""
+        t = self.tracks.get(req.request_id)
+        if t is None or t.tail is None or t.tail_start != num_tokens_before - 1:
+            self.release(req)
+            return
+        t.last_feat = t.tail[accepted]
+        t.computed = num_tokens_before + accepted
+        t.tail = None
+
+    def release(self, req: Request) -> None:
+        self.tracks.pop(req.request_id, None)
+
+    def check(self, reqs: Sequence[Request]) -> None:
+        by_id = {r.request_id: r for r in reqs}
+        stray = set(self.tracks) - set(by_id)
+        if stray:
+            raise AssertionError(f"hidden-state tracks kept for requests that are gone: {sorted(stray)}")
+        for rid, t in self.tracks.items():
+            if t.computed > by_id[rid].num_tokens:
+                raise AssertionError(f"{rid}: {t.computed} positions tracked > {by_id[rid].num_tokens} tokens")
+
+    def check_idle(self) -> None:
+        self.check([])
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V_d] float32
+        return torch.nn.functional.linear(g, self.head.lm_head).float()
+
+    def _draw(
+        self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]], need_q: bool
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """One draft per row from draft-vocabulary logits ``[n, V_d]``; q in the target's
+        vocabulary when some request of the batch samples (see DraftModelProposer._draw)."""
+        ids = self.head.draft_ids
+        if not need_q and all(plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
+            return None, [int(t) for t in ids[logits.argmax(dim=-1)].tolist()]
+        full = torch.full((logits.shape[0], self.target_vocab), -torch.inf, dtype=torch.float32, device=logits.device)
+        full[:, ids] = logits
+        rows = [r.sampling_row(d) for r, d in zip(reqs, drafts, strict=True)]
+        q = processed_probs(full, rows)  # [n, target vocab]
+        return q, [int(t) for t in sample_from_probs(q, rows, draft=True).tolist()]
+
+    def _proposal(
+        self,
+        drafts: list[list[int]],
+        q_rows: list[list[torch.Tensor]],
+        ks: Sequence[int],
+        need_q: bool,
+        t0: float,
+        steps: int,
+    ) -> Proposal:
+        if need_q and any(len(rows) != k for rows, k in zip(q_rows, ks, strict=True)):
+            raise RuntimeError(f"{self.name} proposer: a sampling batch is missing q at a drafted position")
+        probs = torch.stack([t for rows in q_rows for t in rows]) if need_q else None
+        seconds = time.perf_counter() - t0
+        return Proposal(drafts, probs, seconds, seconds / max(1, steps), len(drafts))
+
+
+class MedusaProposer(HiddenStateProposer):
+    """Medusa heads: every draft of a request from its one feature ``f_{N-2}``."""
+
+    name = "medusa"
+
+    def plan(self, req: Request, k: int) -> int:
+        module = self.head.module
+        assert isinstance(module, MedusaHeads)
+        return min(k, module.num_heads)
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
+        t0 = time.perf_counter()
+        module = self.head.module
+        assert isinstance(module, MedusaHeads)
+        feats = torch.stack([self._feature(r) for r in reqs])  # [n, hidden]
+        hs = module(feats)  # [n, K, hidden]
+        need_q = any(not r.sampling_params.is_greedy for r in reqs)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+        logits = self._logits(hs[:, : max(ks)].reshape(-1, hs.shape[-1])).view(len(reqs), max(ks), -1)
+        for j in range(max(ks)):
+            active = [i for i, k in enumerate(ks) if k > j]
+            q, toks = self._draw(logits[active, j], [reqs[i] for i in active], [drafts[i] for i in active], need_q)
+            for row, i in enumerate(active):
+                drafts[i].append(toks[row])
+                if q is not None:
+                    q_rows[i].append(q[row])
+        return self._proposal(drafts, q_rows, ks, need_q, t0, max(ks))
+
+    def _feature(self, req: Request) -> torch.Tensor:
+        t = self.tracks.get(req.request_id)
+        if t is None or t.last_feat is None or t.computed != req.num_tokens - 1:
+            raise RuntimeError(f"request {req.request_id}: no feature for its last token")
+        return t.last_feat
+
+
+class EagleProposer(HiddenStateProposer):
+    """An EAGLE head with its own one-layer paged KV cache (as many blocks as the target's)."""
+
+    name = "eagle"
+
+    def __init__(
+        self, head: LoadedHead, target: LlamaModel, target_vocab: int, num_blocks: int, block_size: int
+    ) -> None:
+        super().__init__(head, target, target_vocab)
+        module = head.module
+        assert isinstance(module, EagleHead)
+        self.module = module
+        dtype, device = head.lm_head.dtype, head.lm_head.device
+        self.kv_cache = KVCache(head_model_config(target.config), num_blocks, block_size, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.backend = get_attention_backend(device)
+        self.block_rows = BlockTableRows(device)
+        self.device = device
+
+    def _run(self, chunks: Sequence[SequenceChunk], feats: torch.Tensor) -> torch.Tensor:  # -> [T, hidden]
+        batch = FlatBatch.build(chunks, self.kv_cache.block_size, self.target.rope.max_positions)
+        dev = batch.upload(self.device)
+        meta = AttentionMetadata.for_batch(
+            batch, dev, self.block_rows.gather(batch.block_tables), self.kv_cache.block_size
+        )
+        emb = self.target._embed(dev.input_ids)  # noqa: SLF001 - the target's embedding, shared
+        cos_sin = self.target.rope.cos_sin(dev.positions, emb.dtype)
+        return self.module(emb, feats.to(emb.dtype), cos_sin, self.kv_cache.layers[0], meta, self.backend)
+
+    def _grow(self, t: Track, num_tokens: int) -> None:
+        if not self.blocks.grow(t.block_table, num_tokens):
+            raise RuntimeError("EAGLE KV pool exhausted (the engine sizes it to never run out)")
+
+    @torch.inference_mode()
+    def observe(self, items: Sequence[Observed]) -> None:
+        """Remember the features, then run the EAGLE layer over the new positions with them:
+        position ``t`` reads ``(x_t, f_{t-1})``; a verify pass's first position was computed
+        by the proposal already (real token, real feature), its drafts are recomputed."""
+        work = []
+        for it in items:
+            t = self.tracks.get(it.request.request_id)
+            prev = None if t is None else (t.computed, t.last_feat)
+            super().observe([it])
+            t = self.tracks.get(it.request.request_id)
+            if t is None or prev is None and it.start != 0:
+                continue
+            c, last = prev if prev is not None else (0, None)
+            skip = c - it.start  # 0, or 1 when the proposal computed the first position
+            if c == 0:
+                last = torch.zeros_like(it.rows[0])
+            assert last is not None
+            feats = torch.cat([last[None], it.rows[:-1]])[skip:]  # f_{t-1} for each position computed
+            toks = list(it.token_ids[skip:])
+            if toks:
+                self._grow(t, it.start + len(it.token_ids))
+                work.append((SequenceChunk(toks, c, t.block_table, 0), feats))
+        if work:
+            self._run([w for w, _ in work], torch.cat([f for _, f in work]))
+
+    def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
+        super().settle(req, num_tokens_before, k, accepted)
+        t = self.tracks.get(req.request_id)
+        if t is not None:
+            self.blocks.shrink(t.block_table, t.computed)
+
+    def release(self, req: Request) -> None:
+        t = self.tracks.pop(req.request_id, None)
+        if t is not None:
+            self.blocks.free(t.block_table)
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
+        """Position ``N - 1`` for each request (its last token and ``f_{N-2}``: real), then
+        ``k - 1`` drafting positions fed with the head's own output."""
+        t0 = time.perf_counter()
+        tracks = []
+        for r, k in zip(reqs, ks, strict=True):
+            if k < 1 or not self.can_draft(r):
+                raise RuntimeError(f"request {r.request_id}: cannot draft {k} (its features are not all seen)")
+            t = self.tracks[r.request_id]
+            self._grow(t, r.num_tokens + k - 1)
+            tracks.append(t)
+        ends = [r.num_tokens for r in reqs]
+        need_q = any(not r.sampling_params.is_greedy for r in reqs)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+        chunks = [
+            SequenceChunk(r.token_slice(e - 1, e), e - 1, t.block_table, 1)
+            for r, e, t in zip(reqs, ends, tracks, strict=True)
+        ]
+        feats = torch.stack([t.last_feat for t in tracks if t.last_feat is not None])
+        active = list(range(len(reqs)))
+        for j in range(max(ks)):
+            g = self._run(chunks, feats)  # [len(active), hidden]
+            if j == 0:
+                for t, e in zip(tracks, ends, strict=True):
+                    t.computed = e  # position N - 1 is in the cache with real inputs
+            q, toks = self._draw(self._logits(g), [reqs[i] for i in active], [drafts[i] for i in active], need_q)
+            for row, i in enumerate(active):
+                drafts[i].append(toks[row])
+                if q is not None:
+                    q_rows[i].append(q[row])
+            keep = [row for row, i in enumerate(active) if ks[i] > j + 1]
+            active = [active[row] for row in keep]
+            if not active:
+                break
+            chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j, tracks[i].block_table, 1) for i in active]
+            feats = g[keep]
+        return self._proposal(drafts, q_rows, ks, need_q, t0, max(ks))
+
+    def check(self, reqs: Sequence[Request]) -> None:
+        super().check(reqs)
+        self.blocks.pool.check(t.block_table for t in self.tracks.values())
+
+    def check_idle(self) -> None:
+        self.check([])
+        if self.blocks.num_free_blocks != self.blocks.num_blocks:
+            raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} EAGLE blocks still in use")

@@ -1,0 +1,81 @@
+"""Loading what a speculative method drafts with, before the engine sizes its KV cache: a
+draft model (checked against the target), or a trained EAGLE / Medusa head (the one given,
+or the one shipped for the target)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftwise.worker.core.config import EngineConfig
+from draftwise.worker.model.gguf import is_gguf_path
+from draftwise.worker.model.kv_cache import bytes_per_block
+from draftwise.worker.model.loader import LoadedModel, load_model
+from draftwise.worker.model.model_config import ModelLoadError
+from draftwise.worker.paths import default_model_path
+from draftwise.worker.speculative.heads import (
+    HEAD_KINDS,
+    LoadedHead,
+    find_head,
+    head_model_config,
+    load_head,
+    target_fingerprint,
+)
+
+__all__ = ["check_speculative_model", "head_kv_bytes_per_block", "load_draft", "load_spec_head"]
+
+
+def check_speculative_model(config: EngineConfig) -> None:
+    """ModelLoadError when ``config.speculative_model`` names no checkpoint folder, .gguf file
+    or "default" (checked before the target's load, which may be long)."""
+    name = config.speculative_model
+    if name is None or str(name) == "default":
+        return
+    path = Path(name)
+    if config.spec_method in HEAD_KINDS:
+        if not (path / "draftwise_head.json").is_file():
+            raise ModelLoadError(f"speculative_model: {name}: not a draft head folder (no draftwise_head.json)")
+        return
+    if not (path.is_dir() or (path.is_file() and is_gguf_path(path))):
+        raise ModelLoadError(f"speculative_model: {name}: not a checkpoint folder or .gguf file (or 'default')")
+
+
+def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
+    """The draft model when ``config`` speculates with one (checked against the target)."""
+    if config.spec_method != "draft":
+        return None
+    name = str(config.speculative_model)
+    folder = default_model_path("draft") if name == "default" else Path(name)
+    try:
+        draft = load_model(folder, dtype=target.dtype, device=target.device)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_model: {e}") from e
+    if draft.config.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model's context ({draft.config.max_position_embeddings}) is shorter than "
+            f"max_model_len={max_model_len}: lower max_model_len"
+        )
+    if draft.config.vocab_size > target.config.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+            f"({target.config.vocab_size}): draft and target must share a tokenizer"
+        )
+    return draft
+
+
+def load_spec_head(config: EngineConfig, target: LoadedModel) -> LoadedHead | None:
+    """The EAGLE or Medusa head when ``config`` speculates with one: ``speculative_model``'s
+    folder, or the head shipped for this target; ModelLoadError when it does not fit."""
+    kind = config.spec_method
+    if kind not in HEAD_KINDS:
+        return None
+    name = config.speculative_model
+    folder = find_head(kind, target_fingerprint(target.model)) if name is None or str(name) == "default" else Path(name)
+    return load_head(folder, target.model, target.dtype, target.device)
+
+
+def head_kv_bytes_per_block(head: LoadedHead | None, target: LoadedModel, block_size: int) -> int:
+    """Bytes an EAGLE head's own KV cache takes per block (0 for Medusa or no head): counted
+    in the KV budget beside the target's."""
+    if head is None or head.config.kind != "eagle":
+        return 0
+    return bytes_per_block(head_model_config(target.config), block_size, target.dtype)
