@@ -155,7 +155,15 @@ async def _events(
         relay.client_gone(outbox)  # no-op once it ended or moved to another call
 
 
-_SPEC_METHODS = {"draft": gspb.SPECULATIVE_METHOD_DRAFT_MODEL, "ngram": gspb.SPECULATIVE_METHOD_NGRAM}
+_SPEC_METHODS = {
+    "draft": gspb.SPECULATIVE_METHOD_DRAFT_MODEL,
+    "ngram": gspb.SPECULATIVE_METHOD_NGRAM,
+    "eagle": gspb.SPECULATIVE_METHOD_EAGLE,
+    "medusa": gspb.SPECULATIVE_METHOD_MEDUSA,
+}
+"""The worker's speculative method (GetLoad metadata) -> ModelInfo.speculative_method."""
+_NAMED_DRAFTER = {gspb.SPECULATIVE_METHOD_DRAFT_MODEL, gspb.SPECULATIVE_METHOD_EAGLE, gspb.SPECULATIVE_METHOD_MEDUSA}
+"""Methods with a drafter that has a name (a draft model, an EAGLE or Medusa head): ModelInfo.draft_model."""
 
 
 def _model_info(name: str, w: WorkerHandle) -> gspb.ModelInfo:
@@ -165,7 +173,7 @@ def _model_info(name: str, w: WorkerHandle) -> gspb.ModelInfo:
         max_model_len=w.max_model_len,
         has_draft=method != gspb.SPECULATIVE_METHOD_UNSPECIFIED,
         speculative_method=method,
-        draft_model=w.draft_model if method == gspb.SPECULATIVE_METHOD_DRAFT_MODEL else "",
+        draft_model=w.draft_model if method in _NAMED_DRAFTER else "",
         num_speculative_tokens=w.num_speculative_tokens if method != gspb.SPECULATIVE_METHOD_UNSPECIFIED else 0,
     )
 

@@ -3,7 +3,9 @@ on to its worker; greedy output is token for token what plain decoding gives; ev
 of a speculating request carries cumulative counters (``TokenDelta.speculation``), its
 Finished event the totals (``Usage``), which the gateway's metrics count; per-request
 ``SpeculationOptions`` turn speculation off or cap k, and a bad one is INVALID_ARGUMENT;
-a bad combination of flags ends ``draftwise serve`` with the worker's error, not a hang."""
+a bad combination of flags ends ``draftwise serve`` with the worker's error, not a hang.
+ListModels names the drafter: the draft model, or an EAGLE or Medusa head (checked without a
+server: a worker's GetLoad metadata polled by a real Router)."""
 
 from __future__ import annotations
 
@@ -16,21 +18,27 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.router import Router, WorkerHandle
+from draftwise.gateway.service import _model_info
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
+from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.worker import SamplingParams
+from draftwise.worker.serving.server import WorkerServicer, draft_model_name
 from tests.integration.conftest import reference_outputs
 from tests.integration.procs import CLIENT_DIR, ENGINE_ARGS, MODEL_NAME, child_env, said
 from tests.integration.prompts import BASES
 from tests.integration.rpc import Result, start, start_req
 
 LISTENING = re.compile(
-    r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 worker, speculative decoding: (?:draft \S+|ngram) k<=\d+; "
+    r"^draftwise serving (\S+) on 127\.0\.0\.1:(\d+) \(1 worker, speculative decoding: (?:(?:draft|eagle|medusa) \S+|ngram) k<=\d+; "
     r"metrics on http://127\.0\.0\.1:(\d+)/metrics\); "
     r"Ctrl-C stops$"
 )
@@ -208,6 +216,108 @@ def test_list_models_reports_the_draft(draft_server, draft_runs):
     assert info.speculative_method == gspb.SPECULATIVE_METHOD_DRAFT_MODEL
     assert info.draft_model == "draftwise-draft"
     assert info.num_speculative_tokens == K
+
+
+# --- ListModels for EAGLE and Medusa heads, without a server ---------------------------------
+
+
+class _GetLoadCall:
+    """A GetLoad call that answers ``load`` with ``trailing`` metadata."""
+
+    def __init__(self, load: wpb.GetLoadResponse, trailing: tuple[tuple[str, str], ...]) -> None:
+        self.load, self.trailing = load, trailing
+
+    def __await__(self):
+        return self._answer().__await__()
+
+    async def _answer(self) -> wpb.GetLoadResponse:
+        return self.load
+
+    async def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.trailing
+
+
+def _listed(method: str, model: str | None, head_folder: Path | None, k: int = 5) -> gspb.ModelInfo:
+    """What ListModels says of a worker whose engine speculates with ``method``: the worker's
+    GetLoad metadata (a servicer around a stand-in engine), polled by a real Router, reported
+    by the gateway's ``_model_info``."""
+    head = SimpleNamespace(folder=head_folder) if head_folder is not None else None
+    proposer = SimpleNamespace(head=head) if head is not None else SimpleNamespace()  # a draft model's has none
+    servicer = WorkerServicer.__new__(WorkerServicer)  # no engine thread: only its metadata is read
+    servicer.engine = SimpleNamespace(
+        max_model_len=2048,
+        spec_method=method,
+        config=SimpleNamespace(spec_k=k, speculative_model=model),
+        spec=SimpleNamespace(proposer=proposer),
+    )
+    trailing = servicer._model_metadata
+    load = wpb.GetLoadResponse(model="m", num_total_kv_blocks=8, num_free_kv_blocks=8)
+
+    async def poll() -> gspb.ModelInfo:
+        router = Router(("127.0.0.1:1",), GatewayMetrics())
+        try:
+            (w,) = router.workers
+            w.get_load = lambda *a, **kw: _GetLoadCall(load, trailing)
+            await router._poll_once(w)
+            ((name, handle),) = router.model_infos().items()
+            return _model_info(name, handle)
+        finally:
+            await router.close()
+
+    return asyncio.run(poll())
+
+
+@pytest.mark.parametrize(
+    ("method", "model", "head_folder", "name", "enum"),
+    [
+        # the head shipped for the target (speculative_model None): the folder the engine loaded
+        ("eagle", None, Path("/pkg/heads/smollm2-135m-eagle"), "smollm2-135m-eagle", gspb.SPECULATIVE_METHOD_EAGLE),
+        ("medusa", None, Path("/pkg/heads/smollm2-135m-medusa"), "smollm2-135m-medusa", gspb.SPECULATIVE_METHOD_MEDUSA),
+        # shipped, its folder not known: "shipped"
+        ("eagle", None, None, "shipped", gspb.SPECULATIVE_METHOD_EAGLE),
+        ("medusa", "default", None, "shipped", gspb.SPECULATIVE_METHOD_MEDUSA),
+        # a head folder given: its name
+        ("eagle", "/data/heads/my-eagle", Path("/data/heads/my-eagle"), "my-eagle", gspb.SPECULATIVE_METHOD_EAGLE),
+        ("medusa", "/data/heads/my-medusa", None, "my-medusa", gspb.SPECULATIVE_METHOD_MEDUSA),
+        # the draft model, as before
+        ("draft", "default", None, "draftwise-draft", gspb.SPECULATIVE_METHOD_DRAFT_MODEL),
+        ("draft", "/data/my-draft", None, "my-draft", gspb.SPECULATIVE_METHOD_DRAFT_MODEL),
+    ],
+)
+def test_list_models_reports_the_head(method, model, head_folder, name, enum):
+    info = _listed(method, model, head_folder)
+    assert (info.name, info.max_model_len, info.has_draft) == ("m", 2048, True)
+    assert (info.speculative_method, info.draft_model, info.num_speculative_tokens) == (enum, name, 5)
+    sys.path.insert(0, str(CLIENT_DIR))
+    from draftwise_client import ModelInfo
+
+    client_info = ModelInfo.from_proto(info)
+    assert (client_info.speculative_method, client_info.draft_model) == (method, name)
+
+
+def test_list_models_without_a_named_drafter():
+    ngram = _listed("ngram", None, None, k=3)
+    assert (ngram.has_draft, ngram.speculative_method, ngram.draft_model, ngram.num_speculative_tokens) == (
+        True,
+        gspb.SPECULATIVE_METHOD_NGRAM,
+        "",
+        3,
+    )
+    stale = WorkerHandle("w", "127.0.0.1:1", None, None, None, max_model_len=64, speculative_method="ngram")
+    stale.draft_model = "leftover"  # a name never goes out with a method that has none
+    assert _model_info("m", stale).draft_model == ""
+    for method in ("", "some-future-method"):  # none, or one this gateway does not know: no speculation
+        w = WorkerHandle("w", "127.0.0.1:1", None, None, None, max_model_len=64, speculative_method=method)
+        w.draft_model, w.num_speculative_tokens = "x", 4
+        info = _model_info("m", w)
+        assert (info.has_draft, info.speculative_method, info.draft_model, info.num_speculative_tokens) == (
+            False,
+            gspb.SPECULATIVE_METHOD_UNSPECIFIED,
+            "",
+            0,
+        )
+    assert draft_model_name(None) == draft_model_name("default") == "draftwise-draft"
+    assert draft_model_name(None, "eagle") == "shipped"
 
 
 def test_python_client_speculation_options_and_stats(draft_server, reference_llm):

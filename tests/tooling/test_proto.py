@@ -282,11 +282,28 @@ def test_unary_responses_round_trip(pb):
                 num_speculative_tokens=4,
             ),
             svc.ModelInfo(name="plain", max_model_len=512),
+            svc.ModelInfo(
+                name="with-head",
+                max_model_len=2048,
+                has_draft=True,
+                speculative_method=svc.SPECULATIVE_METHOD_EAGLE,
+                draft_model="shipped",
+                num_speculative_tokens=5,
+            ),
         ],
         default_model="draftwise-target",
     )
     copy = _round_trip(models)
     assert copy.models[1].speculative_method == svc.SPECULATIVE_METHOD_UNSPECIFIED
+    assert (copy.models[2].speculative_method, copy.models[2].draft_model) == (svc.SPECULATIVE_METHOD_EAGLE, "shipped")
+    # values are the contract: appended, never renumbered (buf breaking guards the released ones)
+    assert [(v.name, v.number) for v in svc.SpeculativeMethod.DESCRIPTOR.values] == [
+        ("SPECULATIVE_METHOD_UNSPECIFIED", 0),
+        ("SPECULATIVE_METHOD_DRAFT_MODEL", 1),
+        ("SPECULATIVE_METHOD_NGRAM", 2),
+        ("SPECULATIVE_METHOD_EAGLE", 3),
+        ("SPECULATIVE_METHOD_MEDUSA", 4),
+    ]
     _round_trip(
         worker.GetLoadResponse(
             model="draftwise-target",

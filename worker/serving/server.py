@@ -92,8 +92,10 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         if eng.spec_method is not None:
             md.append((SPEC_METHOD_KEY, eng.spec_method))
             md.append((SPEC_TOKENS_KEY, str(cfg.spec_k)))
-            if eng.spec_method == "draft":
-                md.append((DRAFT_MODEL_KEY, draft_model_name(cfg.speculative_model)))
+            if eng.spec_method != "ngram":  # a named drafter: a draft model, an EAGLE or Medusa head
+                head = getattr(getattr(eng.spec, "proposer", None), "head", None)  # the loaded head, if any
+                folder = getattr(head, "folder", None)
+                md.append((DRAFT_MODEL_KEY, draft_model_name(cfg.speculative_model, eng.spec_method, folder)))
         return tuple(md)
 
     def _on_step(self, out: StepOutput) -> None:  # engine thread
@@ -188,9 +190,19 @@ def default_model_name(model: str | Path | None) -> str:
     return "draftwise-target" if model is None else Path(model).resolve().name
 
 
-def draft_model_name(model: str | Path | None) -> str:
-    """The draft's name: "draftwise-draft" for the embedded default, else the folder's name."""
-    return "draftwise-draft" if model is None or str(model) == "default" else Path(model).resolve().name
+def draft_model_name(model: str | Path | None, method: str = "draft", head_folder: str | Path | None = None) -> str:
+    """The drafter's name that ListModels reports (``ModelInfo.draft_model``).
+
+    A draft model (``method`` "draft"): "draftwise-draft" for the embedded default, else the
+    checkpoint folder's name. An EAGLE or Medusa head: the name of ``head_folder``, the folder
+    the engine loaded (for ``model`` None or "default", the head shipped for the target), else
+    of the folder ``model`` names; "shipped" when no folder is known (the shipped head, unnamed).
+    """
+    given = None if model is None or str(model) == "default" else model
+    if method in ("eagle", "medusa"):
+        folder = head_folder if head_folder is not None else given
+        return "shipped" if folder is None else Path(folder).resolve().name
+    return "draftwise-draft" if given is None else Path(given).resolve().name
 
 
 async def _watch(aengine: AsyncEngine, parent_pid: int | None, stop: asyncio.Event) -> str:

@@ -136,13 +136,18 @@ class ModelInfo:
     name: str
     max_model_len: int
     has_draft: bool = False
-    speculative_method: str = ""  # "draft" | "ngram" | "" (none)
-    draft_model: str = ""
+    speculative_method: str = ""  # "draft" | "ngram" | "eagle" | "medusa" | "" (none)
+    draft_model: str = ""  # the draft model's or EAGLE/Medusa head's name; "" for ngram or none
     num_speculative_tokens: int = 0
 
     @classmethod
     def from_proto(cls, m: gspb.ModelInfo) -> ModelInfo:
-        method = {gspb.SPECULATIVE_METHOD_DRAFT_MODEL: "draft", gspb.SPECULATIVE_METHOD_NGRAM: "ngram"}
+        method = {
+            gspb.SPECULATIVE_METHOD_DRAFT_MODEL: "draft",
+            gspb.SPECULATIVE_METHOD_NGRAM: "ngram",
+            gspb.SPECULATIVE_METHOD_EAGLE: "eagle",
+            gspb.SPECULATIVE_METHOD_MEDUSA: "medusa",
+        }
         return cls(
             m.name,
             m.max_model_len,

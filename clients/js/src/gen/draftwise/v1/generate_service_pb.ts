@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file draftwise/v1/generate_service.proto.
  */
 export const file_draftwise_v1_generate_service: GenFile = /*@__PURE__*/
-  fileDesc("CiNkcmFmdHdpc2UvdjEvZ2VuZXJhdGVfc2VydmljZS5wcm90bxIMZHJhZnR3aXNlLnYxIq8BCg9HZW5lcmF0ZVJlcXVlc3QSLgoFc3RhcnQYASABKAsyHS5kcmFmdHdpc2UudjEuU3RhcnRHZW5lcmF0aW9uSAASMAoGY2FuY2VsGAIgASgLMh4uZHJhZnR3aXNlLnYxLkNhbmNlbEdlbmVyYXRpb25IABIwCgZyZXN1bWUYAyABKAsyHi5kcmFmdHdpc2UudjEuUmVzdW1lR2VuZXJhdGlvbkgAQggKBmFjdGlvbiJXChBSZXN1bWVHZW5lcmF0aW9uEhUKDXJlc3VtZV9oYW5kbGUYASABKAkSGAoQbmV4dF90b2tlbl9pbmRleBgCIAEoDRISCgpyZXF1ZXN0X2lkGAMgASgJIkAKEEdlbmVyYXRlUmVzcG9uc2USLAoFZXZlbnQYASABKAsyHS5kcmFmdHdpc2UudjEuR2VuZXJhdGlvbkV2ZW50InUKFUdlbmVyYXRlU3RyZWFtUmVxdWVzdBIsCgVzdGFydBgBIAEoCzIdLmRyYWZ0d2lzZS52MS5TdGFydEdlbmVyYXRpb24SLgoGcmVzdW1lGAIgASgLMh4uZHJhZnR3aXNlLnYxLlJlc3VtZUdlbmVyYXRpb24iRgoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRIsCgVldmVudBgBIAEoCzIdLmRyYWZ0d2lzZS52MS5HZW5lcmF0aW9uRXZlbnQiEwoRTGlzdE1vZGVsc1JlcXVlc3QitQEKCU1vZGVsSW5mbxIMCgRuYW1lGAEgASgJEhUKDW1heF9tb2RlbF9sZW4YAiABKA0SEQoJaGFzX2RyYWZ0GAMgASgIEjsKEnNwZWN1bGF0aXZlX21ldGhvZBgEIAEoDjIfLmRyYWZ0d2lzZS52MS5TcGVjdWxhdGl2ZU1ldGhvZBITCgtkcmFmdF9tb2RlbBgFIAEoCRIeChZudW1fc3BlY3VsYXRpdmVfdG9rZW5zGAYgASgNIlQKEkxpc3RNb2RlbHNSZXNwb25zZRInCgZtb2RlbHMYASADKAsyFy5kcmFmdHdpc2UudjEuTW9kZWxJbmZvEhUKDWRlZmF1bHRfbW9kZWwYAiABKAkqeQoRU3BlY3VsYXRpdmVNZXRob2QSIgoeU1BFQ1VMQVRJVkVfTUVUSE9EX1VOU1BFQ0lGSUVEEAASIgoeU1BFQ1VMQVRJVkVfTUVUSE9EX0RSQUZUX01PREVMEAESHAoYU1BFQ1VMQVRJVkVfTUVUSE9EX05HUkFNEAIykAIKD0dlbmVyYXRlU2VydmljZRJNCghHZW5lcmF0ZRIdLmRyYWZ0d2lzZS52MS5HZW5lcmF0ZVJlcXVlc3QaHi5kcmFmdHdpc2UudjEuR2VuZXJhdGVSZXNwb25zZSgBMAESXQoOR2VuZXJhdGVTdHJlYW0SIy5kcmFmdHdpc2UudjEuR2VuZXJhdGVTdHJlYW1SZXF1ZXN0GiQuZHJhZnR3aXNlLnYxLkdlbmVyYXRlU3RyZWFtUmVzcG9uc2UwARJPCgpMaXN0TW9kZWxzEh8uZHJhZnR3aXNlLnYxLkxpc3RNb2RlbHNSZXF1ZXN0GiAuZHJhZnR3aXNlLnYxLkxpc3RNb2RlbHNSZXNwb25zZUJ8ChBjb20uZHJhZnR3aXNlLnYxQhRHZW5lcmF0ZVNlcnZpY2VQcm90b1ABWkFnaXRodWIuY29tL2RyYWZ0d2lzZS9kcmFmdHdpc2UvY2xpZW50cy9nby9kcmFmdHdpc2V2MTtkcmFmdHdpc2V2MaoCDERyYWZ0d2lzZS5WMWIGcHJvdG8z", [file_draftwise_v1_generation]);
+  fileDesc("CiNkcmFmdHdpc2UvdjEvZ2VuZXJhdGVfc2VydmljZS5wcm90bxIMZHJhZnR3aXNlLnYxIq8BCg9HZW5lcmF0ZVJlcXVlc3QSLgoFc3RhcnQYASABKAsyHS5kcmFmdHdpc2UudjEuU3RhcnRHZW5lcmF0aW9uSAASMAoGY2FuY2VsGAIgASgLMh4uZHJhZnR3aXNlLnYxLkNhbmNlbEdlbmVyYXRpb25IABIwCgZyZXN1bWUYAyABKAsyHi5kcmFmdHdpc2UudjEuUmVzdW1lR2VuZXJhdGlvbkgAQggKBmFjdGlvbiJXChBSZXN1bWVHZW5lcmF0aW9uEhUKDXJlc3VtZV9oYW5kbGUYASABKAkSGAoQbmV4dF90b2tlbl9pbmRleBgCIAEoDRISCgpyZXF1ZXN0X2lkGAMgASgJIkAKEEdlbmVyYXRlUmVzcG9uc2USLAoFZXZlbnQYASABKAsyHS5kcmFmdHdpc2UudjEuR2VuZXJhdGlvbkV2ZW50InUKFUdlbmVyYXRlU3RyZWFtUmVxdWVzdBIsCgVzdGFydBgBIAEoCzIdLmRyYWZ0d2lzZS52MS5TdGFydEdlbmVyYXRpb24SLgoGcmVzdW1lGAIgASgLMh4uZHJhZnR3aXNlLnYxLlJlc3VtZUdlbmVyYXRpb24iRgoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRIsCgVldmVudBgBIAEoCzIdLmRyYWZ0d2lzZS52MS5HZW5lcmF0aW9uRXZlbnQiEwoRTGlzdE1vZGVsc1JlcXVlc3QitQEKCU1vZGVsSW5mbxIMCgRuYW1lGAEgASgJEhUKDW1heF9tb2RlbF9sZW4YAiABKA0SEQoJaGFzX2RyYWZ0GAMgASgIEjsKEnNwZWN1bGF0aXZlX21ldGhvZBgEIAEoDjIfLmRyYWZ0d2lzZS52MS5TcGVjdWxhdGl2ZU1ldGhvZBITCgtkcmFmdF9tb2RlbBgFIAEoCRIeChZudW1fc3BlY3VsYXRpdmVfdG9rZW5zGAYgASgNIlQKEkxpc3RNb2RlbHNSZXNwb25zZRInCgZtb2RlbHMYASADKAsyFy5kcmFmdHdpc2UudjEuTW9kZWxJbmZvEhUKDWRlZmF1bHRfbW9kZWwYAiABKAkqtgEKEVNwZWN1bGF0aXZlTWV0aG9kEiIKHlNQRUNVTEFUSVZFX01FVEhPRF9VTlNQRUNJRklFRBAAEiIKHlNQRUNVTEFUSVZFX01FVEhPRF9EUkFGVF9NT0RFTBABEhwKGFNQRUNVTEFUSVZFX01FVEhPRF9OR1JBTRACEhwKGFNQRUNVTEFUSVZFX01FVEhPRF9FQUdMRRADEh0KGVNQRUNVTEFUSVZFX01FVEhPRF9NRURVU0EQBDKQAgoPR2VuZXJhdGVTZXJ2aWNlEk0KCEdlbmVyYXRlEh0uZHJhZnR3aXNlLnYxLkdlbmVyYXRlUmVxdWVzdBoeLmRyYWZ0d2lzZS52MS5HZW5lcmF0ZVJlc3BvbnNlKAEwARJdCg5HZW5lcmF0ZVN0cmVhbRIjLmRyYWZ0d2lzZS52MS5HZW5lcmF0ZVN0cmVhbVJlcXVlc3QaJC5kcmFmdHdpc2UudjEuR2VuZXJhdGVTdHJlYW1SZXNwb25zZTABEk8KCkxpc3RNb2RlbHMSHy5kcmFmdHdpc2UudjEuTGlzdE1vZGVsc1JlcXVlc3QaIC5kcmFmdHdpc2UudjEuTGlzdE1vZGVsc1Jlc3BvbnNlQnwKEGNvbS5kcmFmdHdpc2UudjFCFEdlbmVyYXRlU2VydmljZVByb3RvUAFaQWdpdGh1Yi5jb20vZHJhZnR3aXNlL2RyYWZ0d2lzZS9jbGllbnRzL2dvL2RyYWZ0d2lzZXYxO2RyYWZ0d2lzZXYxqgIMRHJhZnR3aXNlLlYxYgZwcm90bzM", [file_draftwise_v1_generation]);
 
 /**
  * One client message on the Generate stream.
@@ -214,7 +214,7 @@ export type ModelInfo = Message<"draftwise.v1.ModelInfo"> & {
   maxModelLen: number;
 
   /**
-   * Whether a speculative proposer (draft model or n-gram lookup) is configured.
+   * Whether a speculative proposer (draft model, n-gram lookup, EAGLE or Medusa head) is set.
    *
    * @generated from field: bool has_draft = 3;
    */
@@ -228,7 +228,10 @@ export type ModelInfo = Message<"draftwise.v1.ModelInfo"> & {
   speculativeMethod: SpeculativeMethod;
 
   /**
-   * Name of the draft model, for SPECULATIVE_METHOD_DRAFT_MODEL; empty otherwise.
+   * Name of the drafter: for SPECULATIVE_METHOD_DRAFT_MODEL the draft model; for
+   * SPECULATIVE_METHOD_EAGLE and SPECULATIVE_METHOD_MEDUSA the head (its folder's name, that of
+   * the head shipped for the target when none was given, or "shipped" when that is not known);
+   * empty otherwise (no speculation, or n-gram lookup).
    *
    * @generated from field: string draft_model = 5;
    */
@@ -303,6 +306,20 @@ export enum SpeculativeMethod {
    * @generated from enum value: SPECULATIVE_METHOD_NGRAM = 2;
    */
   NGRAM = 2,
+
+  /**
+   * EAGLE: a one-layer head on the target's hidden states proposes the tokens one by one.
+   *
+   * @generated from enum value: SPECULATIVE_METHOD_EAGLE = 3;
+   */
+  EAGLE = 3,
+
+  /**
+   * Medusa: residual heads on the target's hidden state propose the next tokens all at once.
+   *
+   * @generated from enum value: SPECULATIVE_METHOD_MEDUSA = 4;
+   */
+  MEDUSA = 4,
 }
 
 /**
