@@ -3,7 +3,7 @@ tokens, greedy), draftwise alone, timed ``--repeats`` times after a warm-up: for
 comparisons of two checkouts in one session, where ``bench_engine.py``'s single timed run is
 too noisy on a small machine.
 
-    python bench/bench_batch_repeat.py [--repeats 3] [--threads 2] [--no-retain-freed-memory]
+    python bench/bench_batch_repeat.py [--model MODEL] [--repeats 3] [--threads 2] [--no-retain-freed-memory]
 
 Prints one JSON line (commit, wall and process CPU seconds per run, their means); writes nothing.
 """
@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, heldout_prompts  # noqa: E402
+from benchlib import ROOT, add_model_argument, heldout_prompts  # noqa: E402
 
 from draftwise.worker import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
@@ -36,7 +37,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype="float32", retain_freed_memory=not args.no_retain_freed_memory)
+    llm = LLM(model=args.model, dtype="float32", retain_freed_memory=not args.no_retain_freed_memory)
     n = 64
     prompts = heldout_prompts(llm.get_tokenizer(), n, (16, 512), seed=1)  # as bench_engine.bench_batch
     rng = random.Random(2)
@@ -51,7 +52,8 @@ def main() -> None:
         cpu.append(time.process_time() - c)
         assert sum(len(r.outputs[0].token_ids) for r in res) == sum(outs)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    out = {"commit": commit.stdout.strip(), "retain_freed_memory": llm.engine.retains_freed_memory}
+    out = {"commit": commit.stdout.strip(), "model": args.model or "embedded target"}
+    out["retain_freed_memory"] = llm.engine.retains_freed_memory
     out.update(times_s=times, mean_s=statistics.mean(times))
     out.update(cpu_s=cpu, mean_cpu_s=statistics.mean(cpu))  # process CPU time: what a noisy VM's steal does not inflate
     print(json.dumps(out))

@@ -1,4 +1,4 @@
-"""Engine benchmarks on the embedded default target, each ratio measured in one run:
+"""Engine benchmarks on the embedded default target (or ``--model``), each ratio measured in one run:
 
 1. ``single``: one request, 256 new tokens, greedy: tokens/s against transformers
    ``generate`` on the same checkpoint, and against the roofline (copy bandwidth / weight bytes).
@@ -7,9 +7,10 @@
 3. ``itl``: inter-token latency of 8 running streams while a 2,000-token prompt arrives,
    chunked prefill on and off.
 
-    python bench/bench_engine.py [--only single,batch,itl] [--threads 2]
+    python bench/bench_engine.py [--model MODEL] [--only single,batch,itl] [--threads 2]
 
-Results go to docs/benchmarks.md (section ``engine``) and bench/results/engine.json.
+Results go to docs/benchmarks.md (section ``engine``) and bench/results/engine.json; with
+another ``--model``, to section ``engine-<model>`` and bench/results/engine_<model>.json.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, copy_bandwidth, heldout_prompts, machine, write_section  # noqa: E402
+from benchlib import (  # noqa: E402
+    ROOT,
+    add_model_argument,
+    copy_bandwidth,
+    for_model,
+    heldout_prompts,
+    hf_causal_lm,
+    is_default_model,
+    machine,
+    model_label,
+    write_section,
+)
 
-from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
-
-
-def _hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        default_model_path("target"), dtype=torch.float32, local_files_only=True
-    ).eval()
+from draftwise.worker import LLM, SamplingParams  # noqa: E402
 
 
 def bench_single(llm: LLM, hf, repeats: int = 3) -> dict:
@@ -151,8 +155,10 @@ def bench_batch(llm: LLM, hf, n: int = 64) -> dict:
     return r
 
 
-def bench_itl(chunked: bool, budget: int) -> dict:
-    llm = LLM(dtype="float32", enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else None)
+def bench_itl(chunked: bool, budget: int, model: str | None = None) -> dict:
+    llm = LLM(
+        model=model, dtype="float32", enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else None
+    )
     engine = llm.engine
     tok = llm.get_tokenizer()
     streams = heldout_prompts(tok, 8, (64, 64), seed=3)
@@ -201,6 +207,7 @@ def bench_itl(chunked: bool, budget: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(ap)
     ap.add_argument("--only", default="single,batch,itl")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--itl-budget", type=int, default=256, help="max_num_batched_tokens with chunked prefill")
@@ -208,12 +215,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     which = set(args.only.split(","))
     results: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
-    out_path = ROOT / "bench" / "results" / "engine.json"
+    if not is_default_model(args.model):
+        results["model"] = args.model
+    out_path = ROOT / "bench" / "results" / f"{for_model('engine', args.model, '_')}.json"
     if out_path.exists():
         results = {**json.loads(out_path.read_text()), **results}
-    hf = _hf_model() if which & {"single", "batch"} else None
+    hf = hf_causal_lm(args.model) if which & {"single", "batch"} else None
     if which & {"single", "batch"}:
-        llm = LLM(dtype="float32")
+        llm = LLM(model=args.model, dtype="float32")
         if "single" in which:
             results["single"] = bench_single(llm, hf)
             print(json.dumps(results["single"], indent=1), flush=True)
@@ -222,18 +231,20 @@ def main() -> None:
             print(json.dumps(results["batch"], indent=1), flush=True)
         del llm
     if "itl" in which:
-        results["itl"] = [bench_itl(True, args.itl_budget), bench_itl(False, 0)]
+        results["itl"] = [bench_itl(True, args.itl_budget, args.model), bench_itl(False, 0, args.model)]
         print(json.dumps(results["itl"], indent=1), flush=True)
     out_path.parent.mkdir(exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1) + "\n")
-    write_section("engine", render(results))
+    write_section(for_model("engine", args.model), render(results))
 
 
 def render(r: dict) -> str:
+    model = r.get("model")
+    flag = "" if is_default_model(model) else f" --model {model}"
     lines = [
-        "## Engine (default target, float32, CPU)",
+        f"## Engine ({model_label(model)}, float32, CPU)",
         "",
-        f"Command: `python bench/bench_engine.py` — {r.get('date')}, {r.get('machine')}",
+        f"Command: `python bench/bench_engine.py{flag}` — {r.get('date')}, {r.get('machine')}",
         "",
     ]
     if "single" in r:

@@ -7,12 +7,13 @@ gateway -> worker process, real gRPC on 127.0.0.1) and straight into the in-proc
 2. the gateway's memory per idle stream: RSS growth of the gateway process with 1000 open,
    idle ``Generate`` streams.
 
-    python bench/bench_gateway.py [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1] [--rounds 3]
+    python bench/bench_gateway.py [--model MODEL] [--concurrency 1,64,256] [--idle-streams 1000] [--threads 1] [--rounds 3]
 
 Both paths stay up for the whole run and alternate ``--rounds`` times per level; the figures
 are medians over the rounds, "throughput kept" the median of the per-round ratios.
 
-Results go to docs/benchmarks.md (section ``gateway``) and bench/results/gateway.json.
+Results go to docs/benchmarks.md (section ``gateway``) and bench/results/gateway.json; with
+another ``--model`` (default: the embedded target), to ``gateway-<model>`` and gateway_<model>.json.
 Run it on a quiet machine (nothing else busy): every number is a ratio of two runs (the
 section says how far the rounds' ratios spread).
 """
@@ -38,17 +39,27 @@ import torch
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import heldout_prompts, machine, save_results, write_section  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_model_argument,
+    for_model,
+    heldout_prompts,
+    is_default_model,
+    machine,
+    model_label,
+    save_results,
+    write_section,
+)
 
 from draftwise.hop import generate_secret, write_secret_file  # noqa: E402
 from draftwise.logs import configure_logging  # noqa: E402
 from draftwise.v1 import generate_service_pb2 as gspb  # noqa: E402
 from draftwise.v1 import generate_service_pb2_grpc as gsgrpc  # noqa: E402
 from draftwise.v1 import generation_pb2 as pb  # noqa: E402
-from draftwise.worker import SamplingParams, default_model_path  # noqa: E402
+from draftwise.worker import SamplingParams  # noqa: E402
 from draftwise.worker.core.config import EngineConfig  # noqa: E402
 from draftwise.worker.engine.async_engine import AsyncEngine  # noqa: E402
 from draftwise.worker.engine.llm_engine import LLMEngine  # noqa: E402
+from draftwise.worker.paths import resolve_model  # noqa: E402
 from draftwise.worker.text.tokenizer import load_tokenizer  # noqa: E402
 
 T = TypeVar("T")
@@ -188,6 +199,7 @@ def median_run(summaries: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(ap)
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--idle-streams", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both paths)")
@@ -203,7 +215,7 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
     configure_logging("console", "warning")
     torch.set_num_threads(args.threads)
-    tok = load_tokenizer(default_model_path("target"))
+    tok = load_tokenizer(resolve_model(args.model))
     prompts = heldout_prompts(tok, max(levels), PROMPT_LENGTHS, seed=0)
     results: dict = {
         "machine": machine(),
@@ -213,11 +225,14 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "levels": {},
     }
+    engine_settings = dict(ENGINE)
+    if not is_default_model(args.model):
+        results["model"] = engine_settings["model"] = args.model
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
-    engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_settings.items()]
     procs = []
-    aengine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE)))
+    aengine = AsyncEngine(LLMEngine(EngineConfig(**engine_settings)))
     aengine.start()
     with tempfile.TemporaryDirectory() as tmp:
         # the internal hop as under draftwise serve: one secret, required by the worker, sent by the gateway
@@ -268,8 +283,8 @@ def main() -> None:
             for p in procs:
                 p.terminate()
                 p.wait(30)
-    save_results("gateway", results)
-    write_section("gateway", render(results))
+    save_results(for_model("gateway", args.model, "_"), results)
+    write_section(for_model("gateway", args.model), render(results))
 
 
 def _cpu_line(v: dict) -> str:
@@ -286,10 +301,12 @@ def _cpu_line(v: dict) -> str:
 
 def render(r: dict) -> str:
     rounds = r.get("rounds", 1)
+    model = r.get("model")
     lines = [
-        "## Gateway overhead",
+        "## Gateway overhead" + ("" if is_default_model(model) else f" ({model_label(model)})"),
         "",
-        f"Command: `python bench/bench_gateway.py` — {r.get('date', '')}, {r['machine']}",
+        f"Command: `python bench/bench_gateway.py{'' if is_default_model(model) else f' --model {model}'}` — "
+        f"{r.get('date', '')}, {r['machine']}",
         "",
         "Greedy requests (held-out prompts of "
         f"{PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {r['new_tokens']} new tokens each), one stream per request, "
@@ -331,7 +348,8 @@ def render(r: dict) -> str:
             f"{idle['rss_before_mb']:.1f} MiB to {idle['rss_after_mb']:.1f} MiB: "
             f"**{idle['kb_per_stream']:.1f} KiB per idle stream**.",
         ]
-    lines += ["", EXPLANATION]
+    if is_default_model(model):  # the profile behind it was of the embedded target
+        lines += ["", EXPLANATION]
     kept_all = [k for v in r["levels"].values() for k in v.get("kept_per_round", [])]
     if len(kept_all) > 1:
         lines += [

@@ -15,9 +15,12 @@ profile behind the engine and speculation figures that miss their goals.
    one sequence (a verify step) and the draft's one-token step, each against a plain decode
    step, and the speedup those costs allow at the measured acceptance.
 
-    python bench/bench_profile.py [--threads 2]
+    python bench/bench_profile.py [--model MODEL] [--threads 2]
 
-Writes docs/benchmarks.md (section ``profile``) and bench/results/profile.json.
+Writes docs/benchmarks.md (section ``profile``) and bench/results/profile.json. With another
+``--model`` (default: the embedded target) the draft model's parts (3, and the draft steps
+in 4) are left out, as the embedded draft pairs with the embedded target only; it writes
+section ``profile-<model>`` and profile_<model>.json.
 """
 
 from __future__ import annotations
@@ -33,13 +36,23 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import heldout_prompts, machine, save_results, write_section  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_model_argument,
+    for_model,
+    heldout_prompts,
+    is_default_model,
+    machine,
+    model_label,
+    save_results,
+    write_section,
+)
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
 from draftwise.worker.model.llama import Linear  # noqa: E402
 from draftwise.worker.model.loader import load_model  # noqa: E402
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+from draftwise.worker.paths import resolve_model  # noqa: E402
 
 NEW_TOKENS = 256
 GROUPS = {
@@ -105,12 +118,14 @@ def weight_stream(model: nn.Module, repeats: int = 50) -> dict:
     return {"weight_mb": nbytes / 1e6, "ms": best * 1000, "gb_s": nbytes / best / 1e9}
 
 
-def step_costs(context: int = 128, steps: int = 60, max_k: int = 5) -> dict:
+def step_costs(context: int = 128, steps: int = 60, max_k: int = 5, model: str | None = None) -> dict:
     """Median ms of the target's forward pass over ``1 + k`` tokens of one sequence (k = 0: a
-    plain decode step) and of the draft's one-token step, at ``context`` tokens."""
+    plain decode step) and of the draft's one-token step (embedded target only), at
+    ``context`` tokens."""
 
     def timed(which: str, n_new: int) -> float:
-        loaded = load_model(default_model_path(which), dtype="float32")
+        path = resolve_model(model) if which == "target" else default_model_path(which)
+        loaded = load_model(path, dtype="float32")
         blocks = -(-(context + steps * n_new + 8) // 16)
         runner = ModelRunner(loaded, KVCache(loaded.config, blocks, 16, torch.float32, "cpu"))
         table = list(range(blocks))
@@ -125,6 +140,8 @@ def step_costs(context: int = 128, steps: int = 60, max_k: int = 5) -> dict:
         return 1000 * statistics.median(times[steps // 4 :])
 
     target = {k: timed("target", 1 + k) for k in range(max_k + 1)}
+    if not is_default_model(model):
+        return {"target_ms": target}
     return {"target_ms": target, "draft_ms": timed("draft", 1)}
 
 
@@ -147,31 +164,37 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 29, repeats: int = 5) -> flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(ap)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     r: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
-    target = LLM(dtype="float32")
+    default = is_default_model(args.model)
+    if not default:
+        r["model"] = args.model
+    target = LLM(model=args.model, dtype="float32")
     prompt = heldout_prompts(target.get_tokenizer(), 1, (64, 64), seed=0)[0]
     r["engine"] = profile_engine(target, prompt)
     r["target_weights"] = weight_stream(target.engine.loaded.model)
     del target
-    r["draft_weights"] = weight_stream(load_model(default_model_path("draft"), dtype="float32").model)
-    r["steps"] = step_costs()
+    if default:
+        r["draft_weights"] = weight_stream(load_model(default_model_path("draft"), dtype="float32").model)
+    r["steps"] = step_costs(model=args.model)
     r["read_gb_s_1_thread"] = read_bandwidth(1) / 1e9
     r["read_gb_s_all_threads"] = read_bandwidth(args.threads) / 1e9
     print(json.dumps(r, indent=1))
-    save_results("profile", r)
-    write_section("profile", render(r))
+    save_results(for_model("profile", args.model, "_"), r)
+    write_section(for_model("profile", args.model), render(r))
 
 
 def render(r: dict) -> str:
     e = r["engine"]
-    tw, dw = r["target_weights"], r["draft_weights"]
+    model = r.get("model")
+    flag = "" if is_default_model(model) else f" --model {model}"
     lines = [
-        "## Profile of a batch-1 decode step (default target, float32, CPU)",
+        f"## Profile of a batch-1 decode step ({model_label(model)}, float32, CPU)",
         "",
-        f"Command: `python bench/bench_profile.py` — {r['date']}, {r['machine']}",
+        f"Command: `python bench/bench_profile.py{flag}` — {r['date']}, {r['machine']}",
         "",
         f"One request, {NEW_TOKENS} new tokens, greedy, through the engine under torch's profiler: "
         f"{e['step_ms_unprofiled']:.2f} ms per step unprofiled ({e['step_ms_profiled']:.2f} ms profiled), "
@@ -195,7 +218,10 @@ def render(r: dict) -> str:
         "| model | weights read per step | time | GB/s | share of 1-thread read bandwidth | share of all-thread read bandwidth |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for name, w in (("target", tw), ("draft", dw)):
+    for name in ("target", "draft"):
+        w = r.get(f"{name}_weights")
+        if w is None:
+            continue
         lines.append(
             f"| {name} | {w['weight_mb']:.1f} MB | {w['ms']:.2f} ms | {w['gb_s']:.1f} | "
             f"{w['gb_s'] / r['read_gb_s_1_thread']:.0%} | {w['gb_s'] / r['read_gb_s_all_threads']:.0%} |"
@@ -204,32 +230,54 @@ def render(r: dict) -> str:
         st = r["steps"]
         tm = {int(k): v for k, v in st["target_ms"].items()}  # JSON keys are strings
         plain = tm[0]
-        lines += [
-            "",
-            "What speculation pays for at batch 1 (one sequence at 128 tokens of context; a plain step = 1):",
-            "",
-            "| k | verify step: target over 1 + k tokens (ms) | in plain steps | round with its k draft steps "
-            "(plain steps = tokens it must yield to break even) | per-token acceptance that breaks even |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        d = st["draft_ms"] / plain
-        for k, ms in sorted(tm.items()):
-            if k == 0:
-                continue
-            cost = ms / plain + k * d
-            lines.append(f"| {k} | {ms:.2f} | {ms / plain:.2f} | {cost:.2f} | {_break_even_acceptance(k, cost):.2f} |")
-        lines += [
-            "",
-            f"Plain decode step {plain:.2f} ms; draft step {st['draft_ms']:.2f} ms ({d:.2f} of a plain step). A round of "
-            "k drafts yields (1 - a^(k+1)) / (1 - a) tokens at per-token acceptance a; speculation gains only "
-            "where that exceeds the round's cost in plain steps.",
-        ]
+        if "draft_ms" not in st:  # another target: no draft model; what a verify step costs, drafts taken as free
+            lines += [
+                "",
+                "What a verify step costs at batch 1 (one sequence at 128 tokens of context; a plain step = 1), "
+                "and the per-token acceptance at which a round breaks even if drafting cost nothing:",
+                "",
+                "| k | verify step: target over 1 + k tokens (ms) | in plain steps | break-even acceptance, free drafts |",
+                "| --- | --- | --- | --- |",
+            ]
+            lines += [
+                f"| {k} | {ms:.2f} | {ms / plain:.2f} | {_break_even_acceptance(k, ms / plain):.2f} |"
+                for k, ms in sorted(tm.items())
+                if k
+            ]
+            lines += ["", f"Plain decode step {plain:.2f} ms."]
+        else:
+            lines += _draft_rows(st, tm, plain)
     lines += [
         "",
         f"Read bandwidth: {r['read_gb_s_1_thread']:.1f} GB/s with one thread, {r['read_gb_s_all_threads']:.1f} GB/s "
         "with all. BLAS runs a one-row product on one thread; the model's column-block layout (docs/models.md) runs one block per thread.",
     ]
     return "\n".join(lines)
+
+
+def _draft_rows(st: dict, tm: dict[int, float], plain: float) -> list[str]:
+    """The embedded pair's "what speculation pays for" table: verify steps and draft steps."""
+    lines = [
+        "",
+        "What speculation pays for at batch 1 (one sequence at 128 tokens of context; a plain step = 1):",
+        "",
+        "| k | verify step: target over 1 + k tokens (ms) | in plain steps | round with its k draft steps "
+        "(plain steps = tokens it must yield to break even) | per-token acceptance that breaks even |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    d = st["draft_ms"] / plain
+    for k, ms in sorted(tm.items()):
+        if k == 0:
+            continue
+        cost = ms / plain + k * d
+        lines.append(f"| {k} | {ms:.2f} | {ms / plain:.2f} | {cost:.2f} | {_break_even_acceptance(k, cost):.2f} |")
+    lines += [
+        "",
+        f"Plain decode step {plain:.2f} ms; draft step {st['draft_ms']:.2f} ms ({d:.2f} of a plain step). A round of "
+        "k drafts yields (1 - a^(k+1)) / (1 - a) tokens at per-token acceptance a; speculation gains only "
+        "where that exceeds the round's cost in plain steps.",
+    ]
+    return lines
 
 
 def _break_even_acceptance(k: int, cost: float) -> float:

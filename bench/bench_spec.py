@@ -10,12 +10,17 @@ float32 on CPU; every ratio comes from measurements of the same run:
    concurrency 1, 4, 16 and 64.
 4. ``temperature``: batch 1 at temperature 0.7 (seeded): acceptance rate and speedup.
 
-    python bench/bench_spec.py [--only greedy,ngram,concurrency,temperature] [--threads 2]
+    python bench/bench_spec.py [--model MODEL] [--only greedy,ngram,concurrency,temperature] [--threads 2]
     python bench/bench_spec.py --replot     # tables and plots again from bench/results/spec.json
 
 Results go to docs/benchmarks.md (section ``speculative``) and bench/results/spec.json; the
 plots (tokens/s against concurrency, plain and speculative; mean accepted length against a
 fixed k, draft model and n-gram lookup) to docs/img/.
+
+``--model`` (default: the embedded target) runs another target: only ``ngram`` then, as the
+embedded draft pairs with the embedded target only (bench/bench_heads.py compares every
+method on such a model); section ``speculative-<model>``, bench/results/spec_<model>.json
+and plots named ``spec_*_<model>.png``.
 """
 
 from __future__ import annotations
@@ -29,16 +34,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, heldout_prompts, heldout_texts, machine, write_section  # noqa: E402
+from benchlib import (  # noqa: E402
+    ROOT,
+    add_model_argument,
+    for_model,
+    heldout_prompts,
+    heldout_texts,
+    is_default_model,
+    machine,
+    model_label,
+    model_slug,
+    write_section,
+)
 
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 
 NEW_TOKENS = 256
 NUM_PROMPTS = 4  # batch-1 runs go through this many held-out prompts one after another
+MODEL: str | None = None  # the target of every engine _llm builds (--model; None: the embedded one)
+DRAFT_PARTS = ("greedy", "concurrency", "temperature")  # the parts that use the embedded draft model
 
 
 def _llm(**spec) -> LLM:
-    return LLM(dtype="float32", **spec)
+    return LLM(dtype="float32", **{"model": MODEL, **spec})
 
 
 def _spec_stats(outs) -> dict:
@@ -255,18 +273,29 @@ def bench_temperature(prompts: list[list[int]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(ap)
     ap.add_argument("--only", default="greedy,ngram,concurrency,temperature")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--replot", action="store_true", help="run nothing: tables and plots from the saved results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     which = set(args.only.split(","))
-    out_path = ROOT / "bench" / "results" / "spec.json"
+    global MODEL
+    MODEL = None if is_default_model(args.model) else args.model
+    section, img = for_model("speculative", MODEL), ROOT / "docs" / "img"
+    out_path = ROOT / "bench" / "results" / f"{for_model('spec', MODEL, '_')}.json"
     results: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     if args.replot:
-        write_section("speculative", render(results))
-        print("\n".join(str(p) for p in plot(results, ROOT / "docs" / "img")))
+        write_section(section, render(results))
+        print("\n".join(str(p) for p in plot(results, img)))
         return
+    if MODEL is not None:
+        for name in sorted(which & set(DRAFT_PARTS)):
+            print(f"{name}: skipped: no draft model with this tokenizer installs here", flush=True)
+        which -= set(DRAFT_PARTS)
+        if not which:
+            ap.error("with another --model only the ngram part runs: --only ngram")
+        results.update({"model": MODEL, "machine": machine(), "date": time.strftime("%Y-%m-%d")})
     if "greedy" in which:  # the header's machine and date are section 1's (section 3 records its own)
         results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
     tokenizer = _llm().get_tokenizer()
@@ -282,8 +311,8 @@ def main() -> None:
             results[name] = fn()
             out_path.parent.mkdir(exist_ok=True)
             out_path.write_text(json.dumps(results, indent=1) + "\n")  # each result as soon as it exists
-    write_section("speculative", render(results))
-    print("\n".join(str(p) for p in plot(results, ROOT / "docs" / "img")))
+    write_section(section, render(results))
+    print("\n".join(str(p) for p in plot(results, img)))
 
 
 def _fixed_k_points(rows: dict) -> tuple[list[int], list[float]]:
@@ -318,6 +347,7 @@ def plot(r: dict, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
+    tail = "" if is_default_model(r.get("model")) else f"_{model_slug(r['model'])}"  # another target's plots
     written = []
     stamp = f"{r.get('date', '')}, {r.get('machine', '')}"
     if r.get("concurrency"):
@@ -331,7 +361,7 @@ def plot(r: dict, folder: Path) -> list[Path]:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tokens/s")
         ax.set_title("Throughput against concurrency (default pair, float32, CPU)", fontsize=10)
-        written.append(_save(plt, fig, ax, folder / "spec_concurrency.png", rows[0].get("date", "")))
+        written.append(_save(plt, fig, ax, folder / f"spec_concurrency{tail}.png", rows[0].get("date", "")))
     series = []
     if "greedy" in r:
         series.append(("draft model (batch 1, greedy)", *_fixed_k_points(r["greedy"]["spec"])))
@@ -359,7 +389,7 @@ def plot(r: dict, folder: Path) -> list[Path]:
         ax.set_xlabel("draft tokens per step (fixed k)")
         ax.set_ylabel("mean accepted length (tokens per verify step)")
         ax.set_title("Accepted length against k", fontsize=10)
-        written.append(_save(plt, fig, ax, folder / "spec_accepted_length.png", stamp))
+        written.append(_save(plt, fig, ax, folder / f"spec_accepted_length{tail}.png", stamp))
     return written
 
 
@@ -378,10 +408,14 @@ def _spec_rows(rows: dict, ref_name: str) -> list[str]:
 
 
 def render(r: dict) -> str:
+    model = r.get("model")
     lines = [
-        "## Speculative decoding (default pair, float32, CPU)",
+        "## Speculative decoding ("
+        + ("default pair" if is_default_model(model) else model_label(model))
+        + ", float32, CPU)",
         "",
-        f"Command: `python bench/bench_spec.py` — {r.get('date')}, {r.get('machine')}",
+        f"Command: `python bench/bench_spec.py{'' if is_default_model(model) else f' --model {model}'}` — "
+        f"{r.get('date')}, {r.get('machine')}",
         "",
         "Acceptance rate = accepted / proposed draft tokens; mean accepted length = tokens emitted",
         "per verification step (1 + accepted / steps), as vLLM reports it.",

@@ -19,10 +19,12 @@ Two measurements:
    n-gram lookup (adaptive).
 2. ``concurrency``: the kinds mixed, 4 and 16 requests in the engine at a time.
 
-    python bench/bench_spec_prompts.py [--only batch1,concurrency] [--threads 1]
+    python bench/bench_spec_prompts.py [--model MODEL] [--only batch1,concurrency] [--threads 1]
 
 Results go to docs/benchmarks.md (section ``speculative-prompts``) and
-bench/results/spec_prompts.json.
+bench/results/spec_prompts.json. ``--model`` (default: the embedded target) runs another
+target with n-gram lookup only (the embedded draft pairs with the embedded target only),
+into section ``speculative-prompts-<model>`` and spec_prompts_<model>.json.
 """
 
 from __future__ import annotations
@@ -37,14 +39,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_spec  # noqa: E402
 from bench_spec import _interleaved, _llm, _spec_stats, _throughput  # noqa: E402
-from benchlib import ROOT, heldout_texts, machine, write_section  # noqa: E402
+from benchlib import (  # noqa: E402
+    ROOT,
+    add_model_argument,
+    for_model,
+    heldout_texts,
+    is_default_model,
+    machine,
+    model_label,
+    write_section,
+)
 
 from draftwise.worker import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 128
 PER_KIND = 2  # prompts of each kind
 CONFIGS = {"draft": dict(speculative_model="default"), "ngram": dict(speculative_method="ngram")}
+LABELS = {"draft": "draft", "ngram": "n-gram"}
 
 PROSE = [
     "The harbour town woke slowly. Fishing boats that had left before dawn were already "
@@ -180,34 +193,47 @@ def bench_concurrency(kinds: dict[str, list[list[int]]], levels: tuple[int, ...]
     return rows
 
 
+def _cfgs(rows: list[dict]) -> list[str]:
+    """The speculative configurations the rows hold, in CONFIGS order."""
+    return [name for name in CONFIGS if name in rows[0]]
+
+
 def render(r: dict) -> str:
+    model = r.get("model")
+    flag = "" if is_default_model(model) else f" --model {model}"
     lines = [
-        "## Speculation on a wide prompt set (default pair, float32, CPU)",
+        "## Speculation on a wide prompt set ("
+        + ("default pair" if is_default_model(model) else model_label(model))
+        + ", float32, CPU)",
         "",
-        f"Command: `python bench/bench_spec_prompts.py --threads {r.get('threads')}` — {r.get('date')}, {r.get('machine')}",
+        f"Command: `python bench/bench_spec_prompts.py{flag} --threads {r.get('threads')}` — {r.get('date')}, "
+        f"{r.get('machine')}",
         "",
         f"Greedy, {NEW_TOKENS} new tokens; ratio = plain decoding time / speculative time (goal >= 0.95x",
         "everywhere); acceptance = accepted / proposed; same tokens = output equal to plain's.",
         "",
     ]
     if "batch1" in r:
+        cfgs = _cfgs(r["batch1"])
         lines += [
             f"### Batch 1, {PER_KIND} prompts per kind",
             "",
-            "| kind | plain tokens/s | draft: ratio | acceptance | proposed | same | n-gram: ratio | acceptance | proposed | same |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| kind | plain tokens/s | "
+            + " | ".join(f"{LABELS[c]}: ratio | acceptance | proposed | same" for c in cfgs)
+            + " |",
+            "| --- | --- | " + " | ".join("--- | --- | --- | ---" for _ in cfgs) + " |",
         ]
         for row in r["batch1"]:
-            d, g = row["draft"], row["ngram"]
-            lines.append(
-                f"| {row['kind']} | {row['plain_tokens_per_s']:.1f} | **{d['ratio']:.2f}x** | {d['acceptance_rate']:.2f} | "
-                f"{d['proposed']} | {d['same_tokens_as_plain']} | **{g['ratio']:.2f}x** | {g['acceptance_rate']:.2f} | "
-                f"{g['proposed']} | {g['same_tokens_as_plain']} |"
-            )
+            cells = [
+                f"**{row[c]['ratio']:.2f}x** | {row[c]['acceptance_rate']:.2f} | {row[c]['proposed']} | "
+                f"{row[c]['same_tokens_as_plain']}"
+                for c in cfgs
+            ]
+            lines.append(f"| {row['kind']} | {row['plain_tokens_per_s']:.1f} | " + " | ".join(cells) + " |")
         low = [
             f"{row['kind']} ({name}, {row[name]['ratio']:.2f}x, {row[name]['proposed']} drafted tokens)"
             for row in r["batch1"]
-            for name in CONFIGS
+            for name in cfgs
             if row[name]["ratio"] < 0.95
         ]
         lines += [
@@ -223,17 +249,21 @@ def render(r: dict) -> str:
             "",
         ]
     if "concurrency" in r:
+        cfgs = _cfgs(r["concurrency"])
         lines += [
             "### All kinds mixed, several requests at a time",
             "",
-            "| concurrency | requests | plain tokens/s | draft: ratio | acceptance | n-gram: ratio | acceptance |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| concurrency | requests | plain tokens/s | "
+            + " | ".join(f"{LABELS[c]}: ratio | acceptance" for c in cfgs)
+            + " |",
+            "| --- | --- | --- | " + " | ".join("--- | ---" for _ in cfgs) + " |",
         ]
         for row in r["concurrency"]:
-            d, g = row["draft"], row["ngram"]
+            cells = [f"**{row[c]['ratio']:.2f}x** | {row[c]['acceptance_rate']:.2f}" for c in cfgs]
             lines.append(
-                f"| {row['concurrency']} | {row['requests']} | {row['plain_tokens_per_s']:.1f} | **{d['ratio']:.2f}x** | "
-                f"{d['acceptance_rate']:.2f} | **{g['ratio']:.2f}x** | {g['acceptance_rate']:.2f} |"
+                f"| {row['concurrency']} | {row['requests']} | {row['plain_tokens_per_s']:.1f} | "
+                + " | ".join(cells)
+                + " |"
             )
         lines += [
             "",
@@ -248,21 +278,29 @@ def render(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(ap)
     ap.add_argument("--only", default="batch1,concurrency")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     which = set(args.only.split(","))
-    out_path = ROOT / "bench" / "results" / "spec_prompts.json"
+    model = None if is_default_model(args.model) else args.model
+    bench_spec.MODEL = model  # every engine _llm builds serves it
+    if model is not None:
+        print("draft: skipped: no draft model with this tokenizer installs here", flush=True)
+        del CONFIGS["draft"]
+    out_path = ROOT / "bench" / "results" / f"{for_model('spec_prompts', model, '_')}.json"
     results: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     results.update({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads})
+    if model is not None:
+        results["model"] = model
     kinds = prompt_kinds(_llm().get_tokenizer())
     for name, fn in (("batch1", bench_batch1), ("concurrency", bench_concurrency)):
         if name in which:
             results[name] = fn(kinds)
             out_path.parent.mkdir(exist_ok=True)
             out_path.write_text(json.dumps(results, indent=1) + "\n")
-    write_section("speculative-prompts", render(results))
+    write_section(for_model("speculative-prompts", model), render(results))
 
 
 if __name__ == "__main__":

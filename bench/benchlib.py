@@ -76,12 +76,13 @@ def save_results(name: str, results: dict) -> Path:
     return out
 
 
-def write_section(name: str, body: str) -> None:
-    """Replace (or append) the section ``name`` of docs/benchmarks.md."""
-    DOC.parent.mkdir(exist_ok=True)
+def write_section(name: str, body: str, doc: Path | None = None) -> None:
+    """Replace (or append) the section ``name`` of docs/benchmarks.md (or of ``doc``)."""
+    doc = doc or DOC
+    doc.parent.mkdir(exist_ok=True)
     text = (
-        DOC.read_text()
-        if DOC.exists()
+        doc.read_text()
+        if doc.exists()
         else "# Benchmarks\n\nEvery figure is a ratio against a reference measured in the same run on the same machine.\n"
     )
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
@@ -90,4 +91,52 @@ def write_section(name: str, body: str) -> None:
         text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
+    doc.write_text(text)
+
+
+MODEL_HELP = "model alias (e.g. smollm2-135m-instruct), checkpoint folder or .gguf file; default: the embedded target"
+
+
+def add_model_argument(ap) -> None:
+    """``--model``: the target every engine of the benchmark serves (None: the embedded default)."""
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
+
+
+def is_default_model(model: str | Path | None) -> bool:
+    return model is None or str(model) == "default"
+
+
+def model_slug(model: str | Path | None) -> str:
+    """A file-name-safe name of ``model``: ``default``, the alias, or the checkpoint's name."""
+    if is_default_model(model):
+        return "default"
+    from draftwise.worker.paths import MODEL_ALIASES
+
+    name = str(model).lower() if str(model).lower() in MODEL_ALIASES else Path(str(model).rstrip("/")).stem
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
+
+
+def for_model(name: str, model: str | Path | None, sep: str = "-") -> str:
+    """``name`` for the embedded target (sections and result files keep their names), else
+    ``name`` + ``sep`` + the model's slug, so that another model's run never replaces them."""
+    return name if is_default_model(model) else f"{name}{sep}{model_slug(model)}"
+
+
+def model_label(model: str | Path | None) -> str:
+    """How section titles name the target."""
+    return "default target" if is_default_model(model) else f"`{model_slug(model)}`"
+
+
+def hf_causal_lm(model: str | Path | None):
+    """transformers' model of the same checkpoint (float32, eval): a folder, or a GGUF file
+    (dequantized by transformers through the ``gguf`` package)."""
+    from transformers import AutoModelForCausalLM
+
+    from draftwise.worker.paths import resolve_model
+
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, local_files_only=True
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
