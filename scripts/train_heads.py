@@ -163,6 +163,53 @@ def chain_length(accs: list[float]) -> float:
     return out
 
 
+def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
+    """The head's model card: what it is for, the data, the recipe, the figures of its run."""
+    data, vocab, recipe = t["data"], t["draft_vocab"], t["recipe"]
+    what = (
+        "one decoder layer over [embedding of x_t; target feature f_{t-1}], its own KV cache"
+        if kind == "eagle"
+        else f"{recipe['num_heads']} residual blocks on the target's last hidden state, head i drafting i + 1 tokens ahead"
+    )
+    lines = [
+        f"# {kind.upper()} draft head for {target}",
+        "",
+        f"A draft head that reads {target}'s final hidden states ({what}), sharing its embedding and LM head",
+        f"restricted to a draft vocabulary of {vocab['size']} tokens. Load it with `--speculative-method {kind}`",
+        "(found automatically for this target) or `--speculative-model <this folder>`; it is refused for any other",
+        "target (`draftwise_head.json` holds the target's fingerprint). Output is exactly the target's: every draft",
+        "is verified by exact rejection sampling.",
+        "",
+        "## Data",
+        "",
+        f"- {data['sequences']} training answers ({data['answer_tokens']} tokens), {data['held_out_sequences']} held out;",
+        f"- source: {data['source']}: the target's own answers (self-distillation), greedy for 60% of prompts and",
+        "  temperature 0.7 for the rest, with its final hidden state at every position;",
+        "- prompts: Python standard-library functions (explain, write, test, review), instruction templates over",
+        "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded.",
+        f"- draft vocabulary: the {vocab['size']} most frequent answer tokens, covering {vocab['answer_token_coverage']:.1%} of them.",
+        "",
+        "## Recipe",
+        "",
+        "scripts/train_heads.py (see its docstring) with:",
+        "",
+        "```",
+        json.dumps(recipe, indent=1),
+        "```",
+        "",
+        f"{t['steps']} steps, {t['epochs']} epochs, {t['minutes']} minutes on {t['machine']}.",
+        "",
+        "## Figures (held-out answers)",
+        "",
+        f"- top-1 agreement with the target per drafted position: {t['held_out_top1_per_position']}",
+        f"- implied chain length at temperature 0 (tokens per target pass): {t['held_out_chain_length_t0']}",
+        "",
+        "Measured speedups and accepted lengths on the held-out evaluation prompts: docs/benchmarks.md.",
+        "",
+    ]
+    (folder / "README.md").write_text("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kind", choices=("eagle", "medusa"), required=True)
@@ -217,7 +264,11 @@ def main() -> None:
         with torch.no_grad():
             per = []
             for bt in val_batches:
-                _, a = eagle_loss(module, teacher, rope, bt, args.unroll, args.reg) if isinstance(module, EagleHead) else medusa_loss(module, teacher, bt)
+                _, a = (
+                    eagle_loss(module, teacher, rope, bt, args.unroll, args.reg)
+                    if isinstance(module, EagleHead)
+                    else medusa_loss(module, teacher, bt)
+                )
                 per.append(a)
         module.train()
         return [sum(col) / len(col) for col in zip(*per, strict=True)]
@@ -236,7 +287,9 @@ def main() -> None:
                 est_steps = int(budget / (el / 20))
             frac = min(1.0, steps_done / est_steps) if est_steps else 0.0
             for g in opt.param_groups:
-                g["lr"] = args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))) * min(1.0, (steps_done + 1) / 20)
+                g["lr"] = (
+                    args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))) * min(1.0, (steps_done + 1) / 20)
+                )
             bt = pad_batch(b, cfg.hidden_size)
             if isinstance(module, EagleHead):
                 loss, accs = eagle_loss(module, teacher, rope, bt, args.unroll, args.reg)
@@ -248,11 +301,23 @@ def main() -> None:
             opt.step()
             steps_done += 1
             if steps_done % 20 == 0:
-                print(f"step {steps_done} epoch {epoch} {el / 60:.1f} min loss {float(loss):.3f} acc {[round(a, 3) for a in accs]}", flush=True)
+                print(
+                    f"step {steps_done} epoch {epoch} {el / 60:.1f} min loss {float(loss):.3f} acc {[round(a, 3) for a in accs]}",
+                    flush=True,
+                )
         epoch += 1
         val_accs = evaluate()
-        history.append({"epoch": epoch, "minutes": round((time.perf_counter() - t0) / 60, 1), "val_top1": [round(a, 4) for a in val_accs]})
-        print(f"epoch {epoch}: held-out top-1 {history[-1]['val_top1']} chain length {chain_length(val_accs):.2f}", flush=True)
+        history.append(
+            {
+                "epoch": epoch,
+                "minutes": round((time.perf_counter() - t0) / 60, 1),
+                "val_top1": [round(a, 4) for a in val_accs],
+            }
+        )
+        print(
+            f"epoch {epoch}: held-out top-1 {history[-1]['val_top1']} chain length {chain_length(val_accs):.2f}",
+            flush=True,
+        )
     val_accs = evaluate()
     n_train_tokens = sum(len(s["tokens"]) - s["prompt"] for s in train)
     training = {
@@ -273,7 +338,8 @@ def main() -> None:
         "history": history,
     }
     module.eval()
-    save_head(args.out, module, draft_ids, args.name or args.model, target.model, training)
+    cfg_out = save_head(args.out, module, draft_ids, args.name or args.model, target.model, training)
+    write_card(args.out, cfg_out.kind, args.name or args.model, training)
     print(json.dumps(training, indent=1))
 
 

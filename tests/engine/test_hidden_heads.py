@@ -35,6 +35,7 @@ from draftwise.worker.speculative.heads import (
     HeadConfig,
     LoadedHead,
     MedusaHeads,
+    draft_lm_head,
     find_head,
     head_model_config,
     load_head,
@@ -122,7 +123,7 @@ def test_train_forward_matches_the_paged_engine_path():
     head.requires_grad_(False)
     ids = torch.arange(target.config.vocab_size)
     lm_head = target.model._embedding_dense()  # noqa: SLF001
-    loaded = LoadedHead(HeadConfig("eagle", "t", {}, ids.numel()), Path("."), head, ids, lm_head)
+    loaded = LoadedHead(HeadConfig("eagle", "t", {}, ids.numel()), Path("."), head, ids, draft_lm_head(lm_head))
     prop = EagleProposer(loaded, target.model, target.config.vocab_size, num_blocks=16, block_size=16)
     n = 37
     toks = torch.randint(3, 4000, (n,))

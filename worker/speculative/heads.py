@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata
-from draftwise.worker.model.llama import DecoderLayer, LlamaModel, RMSNorm
+from draftwise.worker.model.llama import DecoderLayer, Linear, LlamaModel, RMSNorm
 from draftwise.worker.model.model_config import ModelConfig, ModelLoadError
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
 from draftwise.worker.paths import HEADS_DIR
@@ -46,6 +46,7 @@ __all__ = [
     "LoadedHead",
     "MedusaHeads",
     "find_head",
+    "draft_lm_head",
     "head_model_config",
     "load_head",
     "save_head",
@@ -110,7 +111,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(cfg, 0)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
@@ -188,7 +189,31 @@ class LoadedHead:
     folder: Path
     module: EagleHead | MedusaHeads
     draft_ids: torch.Tensor  # [V_d] int64: target token id of each draft-vocabulary row
-    lm_head: torch.Tensor  # [V_d, hidden]: the target's LM-head rows for them (shared values, a gather)
+    lm_head: Linear  # [V_d, hidden]: the target's LM-head rows for them (a gathered copy)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+
+def draft_lm_head(rows: torch.Tensor) -> Linear:
+    """A Linear over the target's LM-head ``rows`` ([V_d, hidden]), laid out for CPU decoding
+    on CPU (:meth:`Linear.set_cpu_layout`), as the target's own projections are."""
+    head = Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
+    _lay_out(head, rows.device)
+    return head
+
+
+def _lay_out(module: nn.Module, device: torch.device) -> None:
+    if device.type == "cpu":
+        for m in module.modules():
+            if isinstance(m, Linear):
+                m.set_cpu_layout(max(1, torch.get_num_threads()))
 
 
 def find_head(kind: str, fingerprint: dict[str, int | float]) -> Path:
@@ -239,9 +264,10 @@ def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torc
         p.requires_grad_(False)
     if isinstance(module, EagleHead):
         module.bind(device)
+        _lay_out(module, device)
     dense = target._embedding_dense() if target.lm_head is None else target.lm_head.dense_weight()  # noqa: SLF001
     ids = draft_ids.to(device)
-    return LoadedHead(cfg, folder, module, ids, dense[ids].contiguous())
+    return LoadedHead(cfg, folder, module, ids, draft_lm_head(dense[ids]))
 
 
 def save_head(

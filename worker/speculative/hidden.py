@@ -94,8 +94,9 @@ class HiddenStateProposer(Proposer):
                 self.release(it.request)
                 continue
             n = len(it.token_ids)
-            t.tail, t.tail_start = (it.rows, it.start) if n <= MAX_TAIL else (None, 0)
-            t.last_feat = it.rows[-1]
+            # copies: a view would keep the whole step's hidden states alive as long as the request
+            t.tail, t.tail_start = (it.rows.clone(), it.start) if n <= MAX_TAIL else (None, 0)
+            t.last_feat = it.rows[-1].clone()
             t.computed = it.start + n
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
@@ -124,7 +125,7 @@ class HiddenStateProposer(Proposer):
         self.check([])
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V_d] float32
-        return torch.nn.functional.linear(g, self.head.lm_head).float()
+        return self.head.lm_head(g).float()
 
     def _draw(
         self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]], need_q: bool
@@ -205,7 +206,7 @@ class EagleProposer(HiddenStateProposer):
         module = head.module
         assert isinstance(module, EagleHead)
         self.module = module
-        dtype, device = head.lm_head.dtype, head.lm_head.device
+        dtype, device = head.dtype, head.device
         self.kv_cache = KVCache(head_model_config(target.config), num_blocks, block_size, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.backend = get_attention_backend(device)
