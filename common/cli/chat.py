@@ -4,7 +4,8 @@ Each line you type is a user message; the reply streams back as the model writes
 the conversation so far (``--system`` first) goes with every turn, rendered by the server
 with the model's chat template. Ctrl-D or Ctrl-C ends it (exit 0). When standard input is
 not a terminal, every line read is one user turn and the replies are printed one after
-the other (no prompt), so a script can pipe a conversation through it.
+the other (no prompt), so a script can pipe a conversation through it. ``--stats`` prints,
+after each reply, its token count and speculation counters on stderr (:mod:`draftwise.cli.stats`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from draftwise.cli.connect import (
     uses_tls,
     wait_serving,
 )
+from draftwise.cli.stats import STATS_HELP, SpecCounts, print_stats, spec_counts
 
 PROMPT = ">>> "
 """What an interactive session shows before each user turn."""
@@ -39,6 +41,7 @@ def add_chat_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     c.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1)")
     c.add_argument("--seed", type=int, default=None, help="seed of the replies' random numbers (default: random)")
+    c.add_argument("--stats", action="store_true", help=STATS_HELP)
     add_connection_args(c, required=True)
 
 
@@ -92,6 +95,8 @@ class Chat:
         self.stub = gsgrpc.GenerateServiceStub(channel)
         self.metadata = metadata
         self.history: list[tuple[str, str]] = []
+        self.stats: tuple[int, SpecCounts | None] | None = None
+        """The last reply's token count and speculation counters (None until a reply finished)."""
         if args.system:
             self.history.append(("system", args.system))
         self.params = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -114,13 +119,22 @@ class Chat:
             gspb.GenerateStreamRequest(start=start), metadata=self.metadata, timeout=self.args.timeout
         )
         reply: list[str] = []
+        self.stats = None
+        last_spec = None  # the latest SpeculationStats a delta carried
         try:
             with sigint_allowed():  # Ctrl-C cancels the reply in progress
                 for resp in call:
-                    if resp.event.WhichOneof("kind") == "delta":
+                    kind = resp.event.WhichOneof("kind")
+                    if kind == "delta":
                         reply.append(resp.event.delta.text)
                         out.write(resp.event.delta.text)
                         out.flush()
+                        if resp.event.delta.HasField("speculation"):
+                            last_spec = resp.event.delta.speculation
+                    elif kind == "finished":
+                        u = resp.event.finished.usage
+                        spec = spec_counts(u.speculative_proposed_tokens, u.speculative_accepted_tokens, last_spec)
+                        self.stats = (u.completion_tokens, spec)
         finally:
             call.cancel()  # Ctrl-C mid-reply: the server stops generating
         answer = "".join(reply)
@@ -159,6 +173,8 @@ def _loop(chat: Chat, interactive: bool, stdin: TextIO, out: TextIO) -> int:
             continue
         out.write("\n")
         out.flush()
+        if chat.args.stats and chat.stats is not None:
+            print_stats(*chat.stats)
 
 
 def run_chat(args: argparse.Namespace) -> int:

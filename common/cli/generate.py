@@ -5,7 +5,8 @@ runs): greedy by default, stopping where the engine stops (the model's end-of-se
 config.json, generation_config.json and the tokenizer's), the text coming out of the engine's
 incremental detokenizer. Every engine flag of ``draftwise serve`` applies (``--speculative-model
 default``, ``--device cuda``, ...). With ``--server`` it streams from a running gateway through
-the Python client (:mod:`draftwise.cli.remote`).
+the Python client (:mod:`draftwise.cli.remote`). ``--stats`` prints, after the text, its
+token count and speculation counters on stderr (:mod:`draftwise.cli.stats`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import sys
 
 from draftwise.cli.connect import add_connection_args
+from draftwise.cli.stats import STATS_HELP, SpecCounts, print_stats
 from draftwise.flagtable import add_flags
 
 REQUEST_ID = "generate"
@@ -26,6 +28,7 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--stats", action="store_true", help=STATS_HELP)
     add_connection_args(g, required=False, note="with --server: ")
     flags = engine_flags()
     (model,) = [f for f in flags if f.name == "model"]
@@ -66,7 +69,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args: argparse.Namespace) -> int:
-    from draftwise.cli.engine_flags import GENERATE_SKIP, engine_config
+    from draftwise.cli.engine_flags import GENERATE_SKIP, alias_problem, engine_config
     from draftwise.worker.sampling.sampling_params import SamplingParams
 
     try:
@@ -74,6 +77,10 @@ def _generate_local(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    problem = alias_problem(config)  # a model alias whose package is not installed
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     from draftwise.worker.core.containment import EngineDeadError
     from draftwise.worker.engine.llm_engine import LLMEngine
@@ -100,11 +107,13 @@ def _generate_local(args: argparse.Namespace) -> int:
     engine.add_request(REQUEST_ID, args.prompt, params, prompt_token_ids=ids)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
+    final = None
     try:
         while engine.has_unfinished_requests():
             for delta in engine.step().deltas:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
+                final = delta.final or final
                 if delta.finish_reason == "error":
                     sys.stdout.write("\n")
                     print(f"error: {delta.error}", file=sys.stderr)
@@ -117,4 +126,9 @@ def _generate_local(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats and final is not None:
+        out = final.outputs[0]
+        spec = None if out.spec is None else SpecCounts(out.spec.proposed, out.spec.accepted, out.spec.verify_steps)
+        print_stats(len(out.token_ids), spec)
     return 0

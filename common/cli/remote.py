@@ -6,7 +6,8 @@ The client carries the recovery policy: a request the server turns away before i
 drops after it is resumed with the request's resume handle at the first token not yet printed
 (``ResumePolicy``; the gateway fails the request over should its worker die), so the text goes on
 without a break and nothing is repeated. This module adds what a terminal wants: ``--wait`` for
-the server to come up, one ``error:`` line with a hint when TLS does not match, Ctrl-C.
+the server to come up, one ``error:`` line with a hint when TLS does not match, Ctrl-C, and
+``--stats`` (:mod:`draftwise.cli.stats`): the request's counters from its deltas and final usage.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from draftwise.cli.connect import (
     uses_tls,
     wait_serving,
 )
+from draftwise.cli.stats import print_stats, spec_counts
 
 CLIENT_PACKAGE = "draftwise_client"
 """The Python client's import name (the ``draftwise-client`` distribution, ``clients/python``)."""
@@ -75,14 +77,21 @@ def _stream(dc: ModuleType, args: argparse.Namespace, roots: bytes | None) -> in
     sys.stdout.flush()
     with dc.Client(args.server, api_key=api_key(args), tls=bool(args.tls), root_certificates=roots) as client:
         stream = client.generate(args.prompt, params, model=args.model or "", timeout=args.timeout)
+        last_spec = usage = None
         try:
             with contextlib.closing(stream):  # leaving early (Ctrl-C) cancels the request on the server
                 for delta in stream:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
+                    last_spec = delta.speculation or last_spec
+                    usage = delta.usage or usage
         except dc.GenerationError as e:
             sys.stdout.write("\n")
             print(f"error: {e.code.name}: {e.message}{tls_hint(e.message, uses_tls(args))}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats and usage is not None:
+        spec = spec_counts(usage.speculative_proposed_tokens, usage.speculative_accepted_tokens, last_spec)
+        print_stats(usage.completion_tokens, spec)
     return 0

