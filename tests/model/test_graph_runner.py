@@ -330,3 +330,29 @@ def test_model_runner_uses_the_graph_runner_for_small_steps_only(loaded):
     assert gr.num_replays == 1
     with pytest.raises(ValueError, match="num_logits"):  # a malformed step still raises on the eager path
         runner.run([SequenceChunk([8], 7, [3, 4], num_logits=2)])
+
+
+def test_run_hidden_through_the_graph_path_matches_eager(loaded):
+    """Proposers that read hidden states (EAGLE, Medusa) get the real tokens' rows of the
+    graph's static buffer: the same hidden states and logits the eager path computes."""
+    cfg = loaded.config
+    eager = ModelRunner(loaded, KVCache(cfg, 16, 4, torch.float32, "cpu"))
+    graphed = ModelRunner(loaded, KVCache(cfg, 16, 4, torch.float32, "cpu"))
+    gr = GraphRunner(
+        loaded.model,
+        graphed.kv_cache,
+        graphed.backend,
+        GraphConfig(batch_sizes=(1, 2), max_query_len=3),
+        block_rows=graphed.block_tables,
+    )
+    graphed.graph_runner = gr
+    prompts = [SequenceChunk([1, 2, 3, 4, 5], 0, [3, 4]), SequenceChunk([6, 7], 0, [5])]
+    for r in (eager, graphed):
+        r.run_hidden(prompts)
+    step = [SequenceChunk([8, 9, 10], 5, [3, 4], num_logits=3), SequenceChunk([9], 2, [5])]  # a verify and a decode
+    want_logits, want_hidden = eager.run_hidden(step)
+    got_logits, got_hidden = graphed.run_hidden(step)
+    assert gr.num_replays == 1
+    assert got_hidden.shape == (4, cfg.hidden_size)
+    torch.testing.assert_close(got_hidden, want_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)

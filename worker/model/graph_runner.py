@@ -243,6 +243,12 @@ class GraphRunner:
         :meth:`ModelRunner.run` lays them out."""
         return self.replay(FlatBatch.build(chunks, self.block_size, self.model.rope.max_positions))
 
+    def hidden_rows(self, num_tokens: int) -> torch.Tensor:  # [N, hidden]
+        """The final hidden states of the last replayed step's ``num_tokens`` real tokens (rows
+        ``[0, N)`` of the static buffer: :class:`PaddedBatch` puts them there), copied out
+        before the next replay overwrites them."""
+        return self._hidden[:num_tokens].clone()
+
     @torch.inference_mode()
     def replay(self, batch: FlatBatch) -> torch.Tensor | None:  # [L, vocab] float32
         """Logits of a step run through its graph (or, without graphs, eagerly over the

@@ -105,11 +105,16 @@ class ModelRunner:
     def run_hidden(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`run`, also returning the final hidden states of every new token (the LM
         head's input, ``[sum of new tokens, hidden]`` in the chunks' order): what proposers
-        that read the target's hidden states take, at no extra pass. Runs eagerly (CUDA
-        graphs keep only the logit rows of the padded step)."""
+        that read the target's hidden states take, at no extra pass; a captured graph hands
+        them over from its static buffer."""
         if not chunks:
             raise ValueError("empty batch")
-        return self._run_eager(self._flat(chunks))
+        batch = self._flat(chunks)
+        if self.graph_runner is not None:
+            logits = self.graph_runner.replay(batch)
+            if logits is not None:
+                return logits, self.graph_runner.hidden_rows(batch.num_tokens)
+        return self._run_eager(batch)
 
     def _flat(self, chunks: Sequence[SequenceChunk]) -> FlatBatch:
         return FlatBatch.build(chunks, self.block_size, self.model.rope.max_positions)
