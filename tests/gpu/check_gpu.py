@@ -460,6 +460,8 @@ def check_graphs(ctx: Ctx, rows: list[Row]) -> None:
         ("spec off", {}),
         ("spec draft k=3", dict(speculative_model="default", num_speculative_tokens=3)),
         ("spec ngram k=4", dict(speculative_method="ngram", num_speculative_tokens=4)),
+        ("spec eagle k=4", dict(speculative_method="eagle", num_speculative_tokens=4)),  # the shipped heads
+        ("spec medusa k=3", dict(speculative_method="medusa", num_speculative_tokens=3)),
     ]
     dtypes = ["float32"] if ctx.dry else ["float32", "bfloat16"]
     rng = random.Random(3)
@@ -861,6 +863,52 @@ def time_end_to_end(ctx: Ctx, folder: Path, rows: list[Row]) -> None:
             torch.cuda.empty_cache()
 
 
+def time_heads(ctx: Ctx, rows: list[Row]) -> None:
+    """The trained heads shipped for the embedded target (EAGLE, Medusa) against no
+    speculation, greedy, graphs on: tokens/s, steps/s and the mean accepted length (tokens
+    per verify pass), on code prompts of the default tokenizer."""
+    from draftwise.worker import LLM, SamplingParams
+
+    prompts = [
+        "def fibonacci(n):",
+        "import os\nimport sys\n\ndef main(",
+        "class Stack:\n    def __init__(self):",
+        "def read_config(path):\n    with open(path) as f:",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=ctx.e2e_tokens, ignore_eos=True)
+    dtype = "float32" if ctx.dry else "bfloat16"
+    for label, spec in (
+        ("no speculation", {}),
+        ("eagle k=4", dict(speculative_method="eagle", num_speculative_tokens=4)),
+        ("medusa k=3", dict(speculative_method="medusa", num_speculative_tokens=3)),
+    ):
+        llm = LLM(device=ctx.device.type, dtype=dtype, max_num_seqs=max(ctx.e2e_batches), max_model_len=1024,
+                  kv_cache_memory_bytes=(64 << 20) if ctx.dry else (8 << 30), **spec)  # fmt: skip
+        grs = _graph_runners(llm)
+        graphs = sum(g.num_graphs for g in grs)
+        for b in ctx.e2e_batches:
+            batch = (prompts * (b // len(prompts) + 1))[:b]
+            llm.generate(batch, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            steps0, tot0 = llm.engine.num_steps, dict(llm.engine.spec_totals)
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            steps = llm.engine.num_steps - steps0
+            toks = sum(len(o.outputs[0].token_ids) for o in outs)
+            tot = llm.engine.spec_totals
+            verify = tot["verify_steps"] - tot0["verify_steps"]
+            acc = (
+                f", accepted length {1 + (tot['accepted'] - tot0['accepted']) / verify:.2f}" if spec and verify else ""
+            )
+            rows.append(
+                Row("timings", f"heads {dtype} batch {b}, {label}",
+                    f"{toks / dt:.0f} tok/s, {steps / dt:.0f} steps/s, {graphs} graphs{acc}", "", None)
+            )  # fmt: skip
+        del llm
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -932,6 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _section(rows, "serving", check_seeded_batch_invariance, ctx)
     if "timings" not in args.skip:
         _section(rows, "timings", time_attention_bandwidth, ctx)
+        _section(rows, "timings", time_heads, ctx)
         with tempfile.TemporaryDirectory(prefix="draftwise-llama-") as tmp:
             folder = Path(tmp)
             try:
