@@ -5,8 +5,8 @@ their LM heads scaled up so that p and q are peaked and differ) are saved as Hug
 checkpoints. For every one of the 4^4 continuations of 4 tokens the exact probability under
 the target is computed with transformers (an independent implementation), shaped by the
 request's temperature / top-k. The engine then samples 6000 continuations with the draft
-proposer (k = 3), with n-gram lookup, and without speculation, and a chi-square
-goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
+proposer (k = 3), with n-gram lookup, with random EAGLE and Medusa heads for the target
+(k = 3), and without speculation, and a chi-square goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
 (seeds 1000, 1001, ...: speculation verifies them by Gumbel coupling, so the sample is
 across seeds) or, in the "-unseeded" cases, not (random seeds; rejection sampling).
 
@@ -67,11 +67,29 @@ def _save_tiny(folder, seed: int, like=None, noise: float = 0.0):
     return model
 
 
+def _save_heads(root) -> None:
+    """Random EAGLE and Medusa heads for the tiny target (``root/eagle``, ``root/medusa``),
+    their draft vocabulary the whole 4-token vocabulary, scaled so that their q are peaked."""
+    from draftwise.worker.model.loader import load_model
+    from draftwise.worker.speculative.heads import EagleHead, MedusaHeads, head_model_config, save_head
+
+    loaded = load_model(root / "target", dtype="float32")
+    torch.manual_seed(7)
+    eagle = EagleHead(head_model_config(loaded.config))
+    for p in eagle.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    medusa = MedusaHeads(loaded.config.hidden_size, 3)
+    torch.nn.init.normal_(medusa.proj, std=0.3)
+    for name, head in (("eagle", eagle), ("medusa", medusa)):
+        save_head(root / name, head, torch.arange(VOCAB), "tiny target", loaded.model)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_pair")
     target = _save_tiny(root / "target", seed=1)
     draft = _save_tiny(root / "draft", seed=2, like=target, noise=0.5)
+    _save_heads(root)
     return root, target, draft
 
 
@@ -147,6 +165,14 @@ SPEC = {
         speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False, prompt_lookup_min=1
     ),
     "plain": {},
+    "eagle-k3": dict(speculative_method="eagle", num_speculative_tokens=3, speculative_adaptive=False),
+    "medusa-k3": dict(speculative_method="medusa", num_speculative_tokens=3, speculative_adaptive=False),
+    "eagle-k3-unseeded": dict(
+        speculative_method="eagle", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
+    ),
+    "medusa-k3-unseeded": dict(
+        speculative_method="medusa", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
+    ),
     "draft-k3-unseeded": dict(
         speculative_method="draft", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
     ),
@@ -166,8 +192,8 @@ def test_sequences_follow_the_target_distribution(pair, case, spec):
     root, target, draft = pair
     params = CASES[case]
     kw = dict(SPEC[spec])
-    if kw.get("speculative_method") == "draft":
-        kw["speculative_model"] = str(root / "draft")
+    if kw.get("speculative_method") in ("draft", "eagle", "medusa"):
+        kw["speculative_model"] = str(root / kw["speculative_method"])
     counts, engine = _sample(root, params, **kw)
     exact = _exact(target, params)
     pvalue = _chi2_pvalue(counts, exact)

@@ -82,8 +82,8 @@ class Verified:
     num_tokens_before: int  # the request's length before the round
 
 
-MAX_INLINE_BACKLOG = 2
-"""A proposal reads at most this many unread tokens of a request itself (steady decoding: the
+MAX_INLINE_BACKLOG = Proposer.inline_backlog
+"""A draft model's proposal reads at most this many unread tokens of a request itself (steady decoding: the
 target's last token, or the last draft and the bonus token of a fully accepted round); a
 request further behind is caught up first, through the token budget (:meth:`SpecDecoder.catch_up`)."""
 
@@ -247,7 +247,7 @@ class SpecDecoder:
         if k is None:
             k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
         k = min(k, room)
-        if k > 0 and self.proposer.backlog(req) > MAX_INLINE_BACKLOG:
+        if k > 0 and self.proposer.backlog(req) > self.proposer.inline_backlog:
             sr.deferred_k = k  # no drafts until the proposer has caught up
             return -1
         return self.proposer.plan(req, k) if k > 0 else 0
@@ -272,7 +272,7 @@ class SpecDecoder:
             self.proposer.catch_up([r for r, _ in items], [n for _, n in items])
             return [None] * len(items)
 
-        _, failed = contain(work, run, lambda w: w[0], "catch-up", reset=lambda w: self.proposer.release(w[0]))
+        _, failed = contain(work, run, lambda w: w[0], "catch-up", reset=lambda w: self.proposer.reset(w[0]))
         return failed
 
     # ------------------------------------------------------------------ propose
@@ -281,7 +281,7 @@ class SpecDecoder:
         """Drafts for the requests verifying this step, kept in their records (with q, the
         draft distributions, or None: one-hot at the drafts)."""
         done, failed = contain(
-            verifying, self._propose, lambda s: s.request, "proposal", reset=lambda s: self.proposer.release(s.request)
+            verifying, self._propose, lambda s: s.request, "proposal", reset=lambda s: self.proposer.reset(s.request)
         )
         for s, (drafts, q) in done:
             sr = self.requests[s.request.request_id]

@@ -12,12 +12,12 @@ In steady decoding a request of ``N`` tokens has ``M = N - 1`` (its last token i
 computed) and ``f_{N-2}``, the state its last token was sampled from:
 
 - **Medusa** drafts ``x_N .. x_{N+k-1}`` from ``f_{N-2}`` alone, head ``i`` giving ``x_{N-1+i}``;
-- **EAGLE** runs its layer at position ``N - 1`` over ``(x_{N-1}, f_{N-2})`` (the one token it
-  lags behind: its backlog is 1), drafts ``d_1``, then feeds its own output back for
-  ``d_2 .. d_k`` at positions ``N .. N+k-2`` (scratch KV). In ``observe`` it recomputes
-  positions ``N .. N+k-1`` with the target's real features (tokens ``d_1 .. d_k``), and
-  ``settle`` keeps the accepted ``a`` of them: the EAGLE cache then holds positions
-  ``< N + a`` with real features, exactly what the next proposal needs.
+- **EAGLE** runs its layer over the positions it lags behind, up to ``N - 1`` (each position
+  ``t`` reads ``(x_t, f_{t-1})``: after a round with ``a`` accepted drafts, those ``a`` and the
+  bonus token), drafts ``d_1`` from the last, then feeds its own output back for
+  ``d_2 .. d_k`` at positions ``N .. N+k-2`` (scratch KV, overwritten later). After the
+  verify pass ``settle`` keeps the features of the accepted positions for the next round:
+  the EAGLE cache only ever holds positions read with the target's real features.
 
 Draft tokens come from the head's draft vocabulary; q is the request's own processed
 distribution over it (:func:`~draftwise.worker.sampling.sampler.processed_probs` of the draft
@@ -60,6 +60,8 @@ class Track:
     tail: torch.Tensor | None = None  # [n, hidden]: the last verify pass's features
     tail_start: int = 0  # position of tail[0]
     block_table: list[int] = field(default_factory=BlockTable)  # EAGLE: blocks of the head's own pool
+    kv: int = 0  # EAGLE: positions in its KV cache (< kv), read with the target's real features
+    pending: list[torch.Tensor] = field(default_factory=list)  # EAGLE: f_{kv - 1} .. f_{computed - 1}, not read yet
 
 
 class HiddenStateProposer(Proposer):
@@ -111,6 +113,9 @@ class HiddenStateProposer(Proposer):
 
     def release(self, req: Request) -> None:
         self.tracks.pop(req.request_id, None)
+
+    def reset(self, req: Request) -> None:
+        """Nothing to undo after a failed batch call: proposing changes no track."""
 
     def check(self, reqs: Sequence[Request]) -> None:
         by_id = {r.request_id: r for r in reqs}
@@ -195,9 +200,18 @@ class MedusaProposer(HiddenStateProposer):
 
 
 class EagleProposer(HiddenStateProposer):
-    """An EAGLE head with its own one-layer paged KV cache (as many blocks as the target's)."""
+    """An EAGLE head with its own one-layer paged KV cache (as many blocks as the target's).
+
+    It reads the target's features lazily: :meth:`observe` only keeps them (``Track.pending``:
+    ``f_{kv - 1} .. f_{computed - 1}``, ``f_{-1} = 0``), and the layer runs over the positions
+    it lags behind (``kv .. N - 1``) in the first pass of the next proposal (steady decoding:
+    the accepted drafts and the bonus token, ``a + 1`` positions) or, further behind (after
+    the prompt, or steps without drafting), through the budgeted :meth:`catch_up`. A step that
+    drafts nothing costs it nothing but a copy of the features."""
 
     name = "eagle"
+    inline_backlog = 1 + MAX_TAIL  # a whole accepted round is read inline, in the proposal's first pass
+    max_pending = 8192  # features kept per request at most; a request further behind stops speculating
 
     def __init__(
         self, head: LoadedHead, target: LlamaModel, target_vocab: int, num_blocks: int, block_size: int
@@ -213,7 +227,11 @@ class EagleProposer(HiddenStateProposer):
         self.block_rows = BlockTableRows(device)
         self.device = device
 
-    def _run(self, chunks: Sequence[SequenceChunk], feats: torch.Tensor) -> torch.Tensor:  # -> [T, hidden]
+    def _run(
+        self, chunks: Sequence[SequenceChunk], feats: torch.Tensor
+    ) -> torch.Tensor:  # -> [T or logit rows, hidden]
+        """The layer over ``chunks`` (each token with its feature, in order); g at every token,
+        or only at the logit rows when some chunk asks for logits."""
         batch = FlatBatch.build(chunks, self.kv_cache.block_size, self.target.rope.max_positions)
         dev = batch.upload(self.device)
         meta = AttentionMetadata.for_batch(
@@ -221,76 +239,99 @@ class EagleProposer(HiddenStateProposer):
         )
         emb = self.target._embed(dev.input_ids)  # noqa: SLF001 - the target's embedding, shared
         cos_sin = self.target.rope.cos_sin(dev.positions, emb.dtype)
-        return self.module(emb, feats.to(emb.dtype), cos_sin, self.kv_cache.layers[0], meta, self.backend)
+        g = self.module(emb, feats.to(emb.dtype), cos_sin, self.kv_cache.layers[0], meta, self.backend)
+        return g if batch.logit_rows.shape[0] in (0, batch.num_tokens) else g[dev.logit_rows]
 
-    def _grow(self, t: Track, num_tokens: int) -> None:
-        if not self.blocks.grow(t.block_table, num_tokens):
-            raise RuntimeError("EAGLE KV pool exhausted (the engine sizes it to never run out)")
-
-    @torch.inference_mode()
     def observe(self, items: Sequence[Observed]) -> None:
-        """Remember the features, then run the EAGLE layer over the new positions with them:
-        position ``t`` reads ``(x_t, f_{t-1})``; a verify pass's first position was computed
-        by the proposal already (real token, real feature), its drafts are recomputed."""
-        work = []
+        """Keep the features of each request's new positions (a verify pass's wait for
+        :meth:`settle`, which knows how many of them are real)."""
         for it in items:
             t = self.tracks.get(it.request.request_id)
-            prev = None if t is None else (t.computed, t.last_feat)
+            verify = t is not None and t.kv == it.start + 1 and len(it.token_ids) > 1
             super().observe([it])
             t = self.tracks.get(it.request.request_id)
-            if t is None or prev is None and it.start != 0:
+            if t is None:
                 continue
-            c, last = prev if prev is not None else (0, None)
-            skip = c - it.start  # 0, or 1 when the proposal computed the first position
-            if c == 0:
-                last = torch.zeros_like(it.rows[0])
-            assert last is not None
-            feats = torch.cat([last[None], it.rows[:-1]])[skip:]  # f_{t-1} for each position computed
-            toks = list(it.token_ids[skip:])
-            if toks:
-                self._grow(t, it.start + len(it.token_ids))
-                work.append((SequenceChunk(toks, c, t.block_table, 0), feats))
-        if work:
-            self._run([w for w, _ in work], torch.cat([f for _, f in work]))
+            if not t.pending and t.kv == 0:
+                t.pending.append(torch.zeros_like(it.rows[0])[None])  # f_{-1}
+            if not verify:
+                t.pending.append(it.rows.clone())
+                if sum(p.shape[0] for p in t.pending) > self.max_pending:
+                    self.release(it.request)
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
+        t = self.tracks.get(req.request_id)
+        tail = None if t is None else t.tail
         super().settle(req, num_tokens_before, k, accepted)
         t = self.tracks.get(req.request_id)
-        if t is not None:
-            self.blocks.shrink(t.block_table, t.computed)
+        if t is not None and tail is not None:
+            t.pending = [tail[: accepted + 1]]  # f_{N-1} .. f_{N-1+a}: the proposal consumed the rest
+            self.blocks.shrink(t.block_table, t.kv)
 
     def release(self, req: Request) -> None:
         t = self.tracks.pop(req.request_id, None)
         if t is not None:
             self.blocks.free(t.block_table)
 
+    def backlog(self, req: Request) -> int:
+        """EAGLE positions to compute before drafting: ``kv .. N - 1``."""
+        t = self.tracks.get(req.request_id)
+        return req.num_tokens if t is None or not self.can_draft(req) else req.num_tokens - t.kv
+
+    def _catch_up_chunks(
+        self, reqs: Sequence[Request], ns: Sequence[int], num_logits: int
+    ) -> tuple[list[SequenceChunk], torch.Tensor, list[Track], list[tuple[Track, int, list[torch.Tensor]]]]:
+        """Chunks for the next ``ns[i]`` positions each request lags behind, their features,
+        the tracks, and how each track moves on once the pass has succeeded (:meth:`_commit`)."""
+        chunks, feats, tracks, moves = [], [], [], []
+        for r, n in zip(reqs, ns, strict=True):
+            t = self.tracks.get(r.request_id)
+            if t is None or not self.can_draft(r) or not 1 <= n <= self.backlog(r):
+                raise RuntimeError(f"request {r.request_id}: cannot read {n} positions (its features are not all seen)")
+            rows = torch.cat(t.pending) if len(t.pending) > 1 else t.pending[0]
+            if rows.shape[0] != r.num_tokens - t.kv:
+                raise RuntimeError(
+                    f"request {r.request_id}: {rows.shape[0]} features kept for {r.num_tokens - t.kv} positions"
+                )
+            self._grow(t, t.kv + n)
+            chunks.append(SequenceChunk(r.token_slice(t.kv, t.kv + n), t.kv, t.block_table, num_logits))
+            feats.append(rows[:n])
+            moves.append((t, t.kv + n, [rows[n:]] if n < rows.shape[0] else []))
+            tracks.append(t)
+        return chunks, torch.cat(feats), tracks, moves
+
+    @staticmethod
+    def _commit(moves: Sequence[tuple[Track, int, list[torch.Tensor]]]) -> None:
+        for t, kv, pending in moves:
+            t.kv, t.pending = kv, pending
+
+    @torch.inference_mode()
+    def catch_up(self, reqs: Sequence[Request], ns: Sequence[int]) -> None:
+        chunks, feats, _, moves = self._catch_up_chunks(reqs, ns, 0)
+        self._run(chunks, feats)
+        self._commit(moves)
+
+    def _grow(self, t: Track, num_tokens: int) -> None:
+        if not self.blocks.grow(t.block_table, num_tokens):
+            raise RuntimeError("EAGLE KV pool exhausted (the engine sizes it to never run out)")
+
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
-        """Position ``N - 1`` for each request (its last token and ``f_{N-2}``: real), then
-        ``k - 1`` drafting positions fed with the head's own output."""
+        """The positions each request lags behind (real tokens and features; logits at its
+        last token, ``N - 1``), then ``k - 1`` drafting positions fed with the head's own output."""
         t0 = time.perf_counter()
-        tracks = []
-        for r, k in zip(reqs, ks, strict=True):
-            if k < 1 or not self.can_draft(r):
-                raise RuntimeError(f"request {r.request_id}: cannot draft {k} (its features are not all seen)")
-            t = self.tracks[r.request_id]
-            self._grow(t, r.num_tokens + k - 1)
-            tracks.append(t)
+        if any(k < 1 for k in ks):
+            raise ValueError(f"k must be >= 1, got {list(ks)}")
         ends = [r.num_tokens for r in reqs]
+        chunks, feats, tracks, moves = self._catch_up_chunks(reqs, [self.backlog(r) for r in reqs], 1)
+        for t, e, k in zip(tracks, ends, ks, strict=True):
+            self._grow(t, e + k - 1)
         need_q = any(not r.sampling_params.is_greedy for r in reqs)
         drafts: list[list[int]] = [[] for _ in reqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in reqs]
-        chunks = [
-            SequenceChunk(r.token_slice(e - 1, e), e - 1, t.block_table, 1)
-            for r, e, t in zip(reqs, ends, tracks, strict=True)
-        ]
-        feats = torch.stack([t.last_feat for t in tracks if t.last_feat is not None])
         active = list(range(len(reqs)))
         for j in range(max(ks)):
-            g = self._run(chunks, feats)  # [len(active), hidden]
-            if j == 0:
-                for t, e in zip(tracks, ends, strict=True):
-                    t.computed = e  # position N - 1 is in the cache with real inputs
+            g = self._run(chunks, feats)  # [len(active), hidden]: at each request's newest position
             q, toks = self._draw(self._logits(g), [reqs[i] for i in active], [drafts[i] for i in active], need_q)
             for row, i in enumerate(active):
                 drafts[i].append(toks[row])
@@ -302,11 +343,17 @@ class EagleProposer(HiddenStateProposer):
                 break
             chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j, tracks[i].block_table, 1) for i in active]
             feats = g[keep]
-        return self._proposal(drafts, q_rows, ks, need_q, t0, max(ks))
+        prop = self._proposal(drafts, q_rows, ks, need_q, t0, max(ks))
+        self._commit(moves)
+        return prop
 
     def check(self, reqs: Sequence[Request]) -> None:
         super().check(reqs)
         self.blocks.pool.check(t.block_table for t in self.tracks.values())
+        for rid, t in self.tracks.items():
+            kept = sum(p.shape[0] for p in t.pending)
+            if t.tail is None and kept != t.computed - t.kv + 1:
+                raise AssertionError(f"{rid}: {kept} features kept for positions {t.kv - 1} .. {t.computed - 1}")
 
     def check_idle(self) -> None:
         self.check([])

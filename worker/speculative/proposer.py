@@ -75,6 +75,10 @@ class Proposer(ABC):
     name: str
     """``"draft"``, ``"ngram"``, ``"eagle"`` or ``"medusa"``: how ListModels and the logs name the method."""
 
+    inline_backlog: int = 2
+    """The most unread tokens :meth:`propose` reads itself; a request further behind is caught
+    up first, through the token budget (:meth:`catch_up`)."""
+
     wants_hidden: bool = False
     """Whether :meth:`observe` is to be called (the engine then keeps the hidden states)."""
 
@@ -110,6 +114,13 @@ class Proposer(ABC):
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:  # noqa: B027
         """After verification of ``k`` drafts of which ``accepted`` were kept, for a request
         that had ``num_tokens_before`` tokens: keep only the state of the accepted prefix."""
+
+    def reset(self, req: Request) -> None:
+        """After a batch call (catch-up, proposal) failed: undo what it left behind for
+        ``req`` before the request is tried alone. Default: :meth:`release` (a draft model
+        reads the tokens again); a proposer whose calls change nothing until they succeed
+        keeps its state (hidden-state proposers cannot read past features again)."""
+        self.release(req)
 
     def release(self, req: Request) -> None:  # noqa: B027 - stateless proposers keep nothing
         """Forget everything about ``req`` and free what it held."""
