@@ -37,6 +37,7 @@ from draftwise.worker.speculative.heads import (
     MedusaHeads,
     draft_lm_head,
     find_head,
+    fingerprints_match,
     head_model_config,
     load_head,
     save_head,
@@ -191,3 +192,14 @@ def test_a_failed_observation_only_stops_speculating(workload, monkeypatch):
     assert not finals["r2"].outputs[0].num_spec_proposed
     assert engine.spec_totals["proposed"] > 0
     engine.check_idle_invariants()
+
+
+def test_a_head_fits_its_target_in_another_dtype():
+    """The shipped head is found for the embedded target loaded in bfloat16 too (its
+    embedding checksum may move a little), and not for a target of another shape or embedding."""
+    f32 = target_fingerprint(load_model(default_model_path("target"), dtype="float32").model)
+    bf16 = target_fingerprint(load_model(default_model_path("target"), dtype="bfloat16").model)
+    assert fingerprints_match(f32, bf16)
+    assert find_head("eagle", bf16).name == "default-eagle"
+    assert not fingerprints_match(f32, {**f32, "hidden_size": 1 + int(f32["hidden_size"])})
+    assert not fingerprints_match(f32, {**f32, "embedding_checksum": 1.1 * float(f32["embedding_checksum"])})

@@ -46,6 +46,7 @@ __all__ = [
     "LoadedHead",
     "MedusaHeads",
     "find_head",
+    "fingerprints_match",
     "draft_lm_head",
     "head_model_config",
     "load_head",
@@ -70,6 +71,16 @@ def target_fingerprint(model: LlamaModel) -> dict[str, int | float]:
         "num_hidden_layers": cfg.num_hidden_layers,
         "embedding_checksum": round(float(rows.abs().sum()), 2),
     }
+
+
+def fingerprints_match(a: dict[str, int | float], b: dict[str, int | float]) -> bool:
+    """Same shape, and embedding checksums within 0.5% (a target loaded in bfloat16 or float16
+    sums its rows a little differently from the float32 it was trained against)."""
+    shape = ("hidden_size", "vocab_size", "num_hidden_layers")
+    if any(a.get(k) != b.get(k) for k in shape):
+        return False
+    ca, cb = float(a.get("embedding_checksum", 0.0)), float(b.get("embedding_checksum", 0.0))
+    return abs(ca - cb) <= 5e-3 * max(abs(ca), abs(cb), 1e-6)
 
 
 @dataclass(frozen=True)
@@ -223,7 +234,7 @@ def find_head(kind: str, fingerprint: dict[str, int | float]) -> Path:
     names = []
     for folder in shipped:
         cfg = HeadConfig.read(folder)
-        if cfg.kind == kind and cfg.fingerprint == fingerprint:
+        if cfg.kind == kind and fingerprints_match(cfg.fingerprint, fingerprint):
             return folder
         if cfg.kind == kind:
             names.append(cfg.target)
@@ -238,7 +249,7 @@ def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torc
 
     cfg = HeadConfig.read(folder)
     mine = target_fingerprint(target)
-    if cfg.fingerprint != mine:
+    if not fingerprints_match(cfg.fingerprint, mine):
         raise ModelLoadError(
             f"{folder}: this {cfg.kind} head was trained for {cfg.target} {cfg.fingerprint}, "
             f"not for the target being served {mine}"
