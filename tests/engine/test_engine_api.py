@@ -285,7 +285,7 @@ def test_speculation_config_errors(tmp_path):
     with pytest.raises(ValueError, match="num_speculative_tokens set without speculation"):
         EngineConfig(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="speculative_method must be one of"):
-        EngineConfig(speculative_method="medusa")
+        EngineConfig(speculative_method="lookahead")
     with pytest.raises(ValueError, match="needs speculative_model"):
         EngineConfig(speculative_method="draft")
     with pytest.raises(ValueError, match="needs no draft checkpoint"):
