@@ -40,10 +40,10 @@ from draftwise.worker.paths import resolve_model
 from draftwise.worker.speculative.heads import EagleHead, MedusaHeads, head_model_config, save_head
 
 
-def load_data(folder: Path) -> list[dict]:
+def load_data(folder: Path, shards: str = "shard_*.pt") -> list[dict]:
     """Sequences: tokens [L] int64, feats [L - 1, H] float16, prompt length, temperature."""
     seqs = []
-    for path in sorted(folder.glob("shard_*.pt")):
+    for path in sorted(folder.glob(shards)):
         d = torch.load(path)
         at_t = at_f = 0
         for n, p, temp in zip(d["lengths"], d["prompt_lengths"], d["temperatures"], strict=True):
@@ -231,9 +231,10 @@ def main() -> None:
     rng = torch.Generator().manual_seed(args.seed)
     target = load_model(resolve_model(args.model), dtype="float32")
     cfg = target.config
-    seqs = load_data(args.data)
-    n_val = max(1, len(seqs) // 20)
-    train, val = seqs[:-n_val], seqs[-n_val:]
+    # held out: the first shard's answers; trained on: the others, read again at every epoch (a
+    # distillation run still writing shards feeds training as it goes)
+    val = load_data(args.data, "shard_000.pt")
+    train = load_data(args.data)[len(val) :]
     draft_ids, coverage = draft_vocabulary(train, args.draft_vocab, cfg.vocab_size)
     teacher = Teacher(target.model, draft_ids)
     module: EagleHead | MedusaHeads
@@ -278,6 +279,8 @@ def main() -> None:
     steps_done, epoch, history = 0, 0, []
     est_steps = None
     while epoch < args.max_epochs and time.perf_counter() - t0 < budget:
+        if epoch:
+            train = load_data(args.data)[len(val) :]
         epoch_batches = batches(train, args.tokens_per_batch, rng)
         for b in epoch_batches:
             el = time.perf_counter() - t0
