@@ -14,6 +14,8 @@ Recipe (the head's model card records the figures of the run that made it):
   "training-time test", EAGLE-3), weighted ``0.8^(j-1)``;
 - **Medusa**: ``--num-heads`` residual blocks (zero-initialised: each starts as the LM
   head); head ``i`` learns the teacher at ``t + i`` from ``f_t``, weighted ``0.8^(i-1)``.
+- ``--init HEAD``: go on from a trained head (its weights and draft vocabulary); ``--crop-prompt N``: keep
+  only the last N prompt tokens as context (much less compute where prompts are long);
 - AdamW, cosine schedule, a wall-clock budget (``--minutes``); the last 5% of sequences are
   held out for the figures (top-1 agreement with the target per drafting position, and the
   chain acceptance length they imply at temperature 0).
@@ -58,6 +60,18 @@ def load_data(folder: Path, shards: str = "shard_*.pt") -> list[dict]:
             at_t += n
             at_f += n - 1
     return seqs
+
+
+def crop(seqs: list[dict], keep: int | None) -> list[dict]:
+    """Each sequence with only the last ``keep`` prompt tokens (None: whole): less attention
+    context, much less compute where prompts are long."""
+    if keep is None:
+        return seqs
+    out = []
+    for s in seqs:
+        cut = max(0, s["prompt"] - keep)
+        out.append({**s, "tokens": s["tokens"][cut:], "feats": s["feats"][cut:], "prompt": s["prompt"] - cut})
+    return out
 
 
 def draft_vocabulary(seqs: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, float]:
@@ -226,6 +240,12 @@ def main() -> None:
     ap.add_argument("--reg", type=float, default=0.2)
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--init", type=Path, default=None, help="start from this head folder's weights (same kind and target)"
+    )
+    ap.add_argument(
+        "--crop-prompt", type=int, default=None, help="keep only the last N prompt tokens of each sequence as context"
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     rng = torch.Generator().manual_seed(args.seed)
@@ -233,8 +253,8 @@ def main() -> None:
     cfg = target.config
     # held out: the first shard's answers; trained on: the others, read again at every epoch (a
     # distillation run still writing shards feeds training as it goes)
-    val = load_data(args.data, "shard_000.pt")
-    train = load_data(args.data)[len(val) :]
+    val = crop(load_data(args.data, "shard_000.pt"), args.crop_prompt)
+    train = crop(load_data(args.data)[len(val) :], args.crop_prompt)
     draft_ids, coverage = draft_vocabulary(train, args.draft_vocab, cfg.vocab_size)
     teacher = Teacher(target.model, draft_ids)
     module: EagleHead | MedusaHeads
@@ -254,6 +274,13 @@ def main() -> None:
         torch.nn.init.normal_(module.fc.weight, std=0.02)
     else:
         module = MedusaHeads(cfg.hidden_size, args.num_heads)
+    if args.init is not None:  # warm start: the head's float16 weights and its draft vocabulary
+        from safetensors.torch import load_file
+
+        saved = load_file(str(args.init / "head.safetensors"))
+        draft_ids = saved.pop("draft_ids").long()
+        teacher = Teacher(target.model, draft_ids)
+        module.load_state_dict({k: v.float() for k, v in saved.items()})
     for p in module.parameters():
         p.requires_grad_(True)
     module.train()
@@ -280,7 +307,7 @@ def main() -> None:
     est_steps = None
     while epoch < args.max_epochs and time.perf_counter() - t0 < budget:
         if epoch:
-            train = load_data(args.data)[len(val) :]
+            train = crop(load_data(args.data)[len(val) :], args.crop_prompt)
         epoch_batches = batches(train, args.tokens_per_batch, rng)
         for b in epoch_batches:
             el = time.perf_counter() - t0
@@ -331,7 +358,11 @@ def main() -> None:
             "source": "scripts/head_prompts.py prompts answered by the target (scripts/distill_heads_data.py)",
         },
         "draft_vocab": {"size": int(draft_ids.numel()), "answer_token_coverage": round(coverage, 4)},
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("data", "out", "model", "name")},
+        "recipe": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("data", "out", "model", "name")
+        },
         "epochs": epoch,
         "steps": steps_done,
         "minutes": round((time.perf_counter() - t0) / 60, 1),
