@@ -440,7 +440,10 @@ def test_ngram_server(tmp_path, reference_llm):
             ["--speculative-method=ngram", "--speculative-model=default"],
             "--speculative-method ngram needs no draft checkpoint: leave --speculative-model unset",
         ),
-        (["--speculative-method=medusa"], "--speculative-method must be one of draft, ngram, got 'medusa'"),
+        (
+            ["--speculative-method=lookahead"],
+            "--speculative-method must be one of draft, ngram, eagle, medusa, got 'lookahead'",
+        ),
         (["--speculative-model=default", "--prompt-lookup-max=3"], "--prompt-lookup-min/max apply to"),
         (["--speculative-model=/no/such/draft"], "--speculative-model /no/such/draft: no such file or folder"),
         (["--model=/no/such/model"], "--model /no/such/model: no such file or folder"),
