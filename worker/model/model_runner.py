@@ -92,14 +92,7 @@ class ModelRunner:
         """Write the chunks' KV into the cache and return the logits asked for, in order. The
         step is laid out (and validated) once; a graph replays it where one holds it, the
         eager path runs it otherwise."""
-        if not chunks:
-            raise ValueError("empty batch")
-        batch = self._flat(chunks)
-        if self.graph_runner is not None:
-            logits = self.graph_runner.replay(batch)
-            if logits is not None:
-                return logits
-        return self._run_eager(batch)[0]
+        return self._forward(chunks, hidden=False)[0]
 
     @torch.inference_mode()
     def run_hidden(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,13 +100,20 @@ class ModelRunner:
         head's input, ``[sum of new tokens, hidden]`` in the chunks' order): what proposers
         that read the target's hidden states take, at no extra pass; a captured graph hands
         them over from its static buffer."""
+        logits, hidden = self._forward(chunks, hidden=True)
+        assert hidden is not None
+        return logits, hidden
+
+    def _forward(self, chunks: Sequence[SequenceChunk], hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step laid out (and validated) once; a graph replays it where one holds it (its
+        hidden rows copied out only when asked), the eager path runs it otherwise."""
         if not chunks:
             raise ValueError("empty batch")
         batch = self._flat(chunks)
         if self.graph_runner is not None:
             logits = self.graph_runner.replay(batch)
             if logits is not None:
-                return logits, self.graph_runner.hidden_rows(batch.num_tokens)
+                return logits, self.graph_runner.hidden_rows(batch.num_tokens) if hidden else None
         return self._run_eager(batch)
 
     def _flat(self, chunks: Sequence[SequenceChunk]) -> FlatBatch:

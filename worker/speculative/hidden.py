@@ -256,6 +256,8 @@ class EagleProposer(HiddenStateProposer):
                 t.pending.append(torch.zeros_like(it.rows[0])[None])  # f_{-1}
             if not verify:
                 t.pending.append(it.rows.clone())
+                if len(t.pending) > 64:  # steps without drafting: one tensor, so that counting stays cheap
+                    t.pending = [torch.cat(t.pending)]
                 if sum(p.shape[0] for p in t.pending) > self.max_pending:
                     self.release(it.request)
 
