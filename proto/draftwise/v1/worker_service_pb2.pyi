@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerServiceGenerateRequest(_message.Message):
-    __slots__ = ("start",)
+    __slots__ = ("start", "cache_salt")
     START_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     start: _generation_pb2.StartGeneration
-    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class WorkerServiceGenerateResponse(_message.Message):
     __slots__ = ("event",)
@@ -23,7 +25,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("model", "num_requests_running", "num_requests_waiting", "num_free_kv_blocks", "num_total_kv_blocks", "tokens_per_second", "draining")
+    __slots__ = ("model", "num_requests_running", "num_requests_waiting", "num_free_kv_blocks", "num_total_kv_blocks", "tokens_per_second", "draining", "prefix_cache_queries", "prefix_cache_hits", "num_cached_kv_blocks", "worker_started_at")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +33,10 @@ class GetLoadResponse(_message.Message):
     NUM_TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_requests_running: int
     num_requests_waiting: int
@@ -38,7 +44,11 @@ class GetLoadResponse(_message.Message):
     num_total_kv_blocks: int
     tokens_per_second: float
     draining: bool
-    def __init__(self, model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_cached_kv_blocks: int
+    worker_started_at: float
+    def __init__(self, model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., worker_started_at: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("wait", "resume")
