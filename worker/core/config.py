@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_seqs: int = 128  # requests in one step
     max_num_batched_tokens: int | None = None  # tokens in one step; None: 2048 (chunked) or max_model_len
     enable_chunked_prefill: bool = True  # split long prompts across steps
+    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (full blocks; per-tenant salt)
     max_model_len: int | None = None  # context length; None: the model's max_position_embeddings
     kv_cache_memory_bytes: int | None = (
         None  # KV budget in bytes (CPU default: max_num_seqs x max_model_len tokens, at most 1 GiB; CUDA: overrides gpu_memory_utilization)

@@ -97,6 +97,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why the engine failed this request (finish_reason "error"); None otherwise
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at its first admission
 
     @classmethod
     def of(cls, req: Request, text: str, spec: SpecStats | None = None, error: str | None = None) -> RequestOutput:
@@ -125,6 +126,7 @@ class RequestOutput:
                 num_preemptions=req.num_preemptions,
             ),
             error=error,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
 

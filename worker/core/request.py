@@ -58,6 +58,15 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_counts: TokenCounts | None = field(default=None, repr=False)  # the penalties' counts (sampling_row)
+    # prefix caching (worker/core/block_manager.py): the tenant's salt, the hashes of the sequence's full
+    # blocks (they depend on its tokens alone), the position this admission's prefill started at (its cached
+    # prefix), how many of its blocks were offered to the cache, and the prompt tokens found cached when it was
+    # first admitted (reported in its usage)
+    cache_salt: str = ""
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    prefill_start: int = 0
+    num_blocks_cached: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

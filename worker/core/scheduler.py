@@ -15,6 +15,11 @@ than preempting anyone when blocks are short.
 The scheduler is the one writer of a request's progress: ``num_computed_tokens`` moves here
 (:meth:`Scheduler.update_from_output` after each step, back to 0 on preemption), and so do the
 request's blocks (grown when scheduled, shrunk when drafts are rejected, freed when it leaves).
+
+With prefix caching, a request being admitted starts with the longest cached prefix of its
+tokens (all but the last, so that a logit is computed), its prefill after it; the full blocks a
+step has computed are offered to the cache in :meth:`Scheduler.update_from_output`, and once
+more when a request is preempted or leaves (a failed request's are not: its KV is suspect).
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from draftwise.worker.core.block_manager import BlockManager
-from draftwise.worker.core.request import Request, RequestStatus
+from draftwise.worker.core.block_manager import BlockManager, chain_hashes
+from draftwise.worker.core.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger("draftwise.scheduler")
 
@@ -91,6 +96,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.finish_reason is not FinishReason.ERROR:
+            self._cache(req)
         self.blocks.free(req.block_table)
 
     def schedule(self, draft_k: Mapping[str, int] | None = None) -> SchedulerOutput:
@@ -113,12 +120,17 @@ class Scheduler:
             return out  # memory is short: admit nobody this step, and grant no drafts
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            hit = self._match(req)
             n = req.num_uncomputed_tokens
-            if not self.config.enable_chunked_prefill and n > budget:
+            if (not self.config.enable_chunked_prefill and n > budget) or not self.blocks.grow(
+                req.block_table, req.num_computed_tokens + min(n, budget)
+            ):
+                self._unmatch(req)
                 break
             n = min(n, budget)
-            if not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
-                break
+            self.blocks.count_lookup(req.num_tokens - 1, hit)
+            if not req.num_preemptions:
+                req.num_cached_tokens = min(hit, req.num_prompt_tokens)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -140,9 +152,41 @@ class Scheduler:
                 continue
             if not s.num_draft_tokens:
                 r.num_computed_tokens += s.num_new_tokens
-                continue
-            r.num_computed_tokens += 1 + accepted[r.request_id]  # the last one emitted is new
-            self.blocks.shrink(r.block_table, r.num_computed_tokens + 1)
+            else:
+                r.num_computed_tokens += 1 + accepted[r.request_id]  # the last one emitted is new
+                self.blocks.shrink(r.block_table, r.num_computed_tokens + 1)
+            self._cache(r)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _hashes(self, req: Request) -> list[bytes]:
+        """The hashes of ``req``'s full blocks, extended to its tokens as they stand."""
+        bs, have = self.blocks.block_size, len(req.block_hashes)
+        if req.num_tokens // bs > have:
+            chain_hashes(req.token_slice(have * bs, req.num_tokens), bs, req.cache_salt, req.block_hashes)
+        return req.block_hashes
+
+    def _match(self, req: Request) -> int:
+        """Start a request being admitted (nothing computed) with its cached prefix."""
+        if not self.blocks.enable_prefix_caching or req.num_computed_tokens:
+            return 0
+        hit = self.blocks.match(req.block_table, self._hashes(req), req.num_tokens - 1)
+        req.num_computed_tokens = req.prefill_start = hit
+        req.num_blocks_cached = hit // self.blocks.block_size
+        return hit
+
+    def _unmatch(self, req: Request) -> None:
+        """``req`` is not admitted after all: its cached blocks go back."""
+        self.blocks.free(req.block_table)
+        req.num_computed_tokens = req.prefill_start = req.num_blocks_cached = 0
+
+    def _cache(self, req: Request) -> None:
+        """Offer ``req``'s newly computed full blocks (their tokens known) to the cache."""
+        if self.blocks.enable_prefix_caching:
+            done = min(req.num_computed_tokens, req.num_tokens)
+            req.num_blocks_cached = self.blocks.cache_blocks(
+                req.block_table, self._hashes(req), done, req.num_blocks_cached
+            )
 
     def _add_drafts(self, out: SchedulerOutput, budget: int, draft_k: Mapping[str, int]) -> None:
         """Give decoding requests their draft positions, oldest first, while budget and free
@@ -171,8 +215,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._cache(req)  # found again when it comes back, unless evicted by then
         self.blocks.free(req.block_table)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.prefill_start = req.num_blocks_cached = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from draftwise.logs import ensure_logging
-from draftwise.worker.core.block_manager import BlockManager
+from draftwise.worker.core.block_manager import BlockManager, PrefixCacheStats
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.core.containment import (
     EngineDeadError,
@@ -90,7 +90,7 @@ class LLMEngine:
             )
         self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device)
         self.runner = ModelRunner(self.loaded, self.kv_cache)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec: SpecDecoder | None = SpecDecoder.build(config, draft, self.loaded, num_blocks, self.max_model_len)
         self.spec_method: str | None = None if self.spec is None else self.spec.method
         k = config.max_draft_tokens
@@ -144,6 +144,10 @@ class LLMEngine:
             return {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
         return self.spec.totals
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:  # tokens looked up and found, blocks cached
+        return self.blocks.prefix_cache_stats
+
     # ------------------------------------------------------------------ requests
 
     def add_request(
@@ -155,6 +159,7 @@ class LLMEngine:
         prompt_token_ids: Sequence[int] | None = None,
         continuation: Sequence[int] = (),
         continuation_spec: SpecStats | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Queue a request. Raises ValueError (touching nothing) for a bad one,
         EngineDeadError once the engine has stopped.
@@ -163,7 +168,8 @@ class LLMEngine:
         They become its first output tokens, prefilled with the prompt, and count for
         max_tokens, min_tokens, penalties and stop checks; the detokenizer reads them without
         releasing text; the first delta has first_token_index = len(continuation).
-        ``continuation_spec``: their speculation counters, added to the request's own."""
+        ``continuation_spec``: their speculation counters, added to the request's own.
+        ``cache_salt``: the tenant's prefix-cache salt (different salts never share cached KV)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         params = sampling_params or SamplingParams()
@@ -174,6 +180,7 @@ class LLMEngine:
         req = self.intake.build(request_id, prompt, params, arrival_time, prompt_token_ids, continuation)
         self.output.add(request_id, req.prompt_token_ids, params, req.output_token_ids)  # ValueError: touches nothing
         req.seed = self.intake.seed_for(params)
+        req.cache_salt = cache_salt
         if self.spec is not None and params.use_speculation:
             self.spec.add(req, params.max_speculative_tokens, continuation_spec)
         self.requests[request_id] = req

@@ -18,6 +18,9 @@ computed) and ``f_{N-2}``, the state its last token was sampled from:
   ``d_2 .. d_k`` at positions ``N .. N+k-2`` (scratch KV, overwritten later). After the
   verify pass ``settle`` keeps the features of the accepted positions for the next round:
   the EAGLE cache only ever holds positions read with the target's real features.
+  When the target's prefill started after a cached prefix (``Request.prefill_start``), no
+  features exist before it: the head's context starts there (its positions count from that
+  ``base``; attention only sees relative positions), as if the sequence began there.
 
 Draft tokens come from the head's draft vocabulary; q is the request's own processed
 distribution over it (:func:`~draftwise.worker.sampling.sampler.processed_probs` of the draft
@@ -62,6 +65,7 @@ class Track:
     block_table: list[int] = field(default_factory=BlockTable)  # EAGLE: blocks of the head's own pool
     kv: int = 0  # EAGLE: positions in its KV cache (< kv), read with the target's real features
     pending: list[torch.Tensor] = field(default_factory=list)  # EAGLE: f_{kv - 1} .. f_{computed - 1}, not read yet
+    base: int = 0  # the first position the target computed (after a cached prefix): EAGLE's position 0
 
 
 class HiddenStateProposer(Proposer):
@@ -90,8 +94,8 @@ class HiddenStateProposer(Proposer):
         a failure) is dropped: it is not drafted for again (:meth:`can_draft`)."""
         for it in items:
             t = self.tracks.get(it.request.request_id)
-            if it.start == 0 and t is None:
-                t = self.tracks[it.request.request_id] = Track()
+            if t is None and it.start == it.request.prefill_start:
+                t = self.tracks[it.request.request_id] = Track(computed=it.start, kv=it.start, base=it.start)
             if t is None or t.computed not in (it.start, it.start + 1):
                 self.release(it.request)
                 continue
@@ -252,8 +256,8 @@ class EagleProposer(HiddenStateProposer):
             t = self.tracks.get(it.request.request_id)
             if t is None:
                 continue
-            if not t.pending and t.kv == 0:
-                t.pending.append(torch.zeros_like(it.rows[0])[None])  # f_{-1}
+            if not t.pending and t.kv == t.base:
+                t.pending.append(torch.zeros_like(it.rows[0])[None])  # f_{base - 1}: unseen, as f_{-1}
             if not verify:
                 t.pending.append(it.rows.clone())
                 if len(t.pending) > 64:  # steps without drafting: one tensor, so that counting stays cheap
@@ -268,7 +272,7 @@ class EagleProposer(HiddenStateProposer):
         t = self.tracks.get(req.request_id)
         if t is not None and tail is not None:
             t.pending = [tail[: accepted + 1]]  # f_{N-1} .. f_{N-1+a}: the proposal consumed the rest
-            self.blocks.shrink(t.block_table, t.kv)
+            self.blocks.shrink(t.block_table, t.kv - t.base)
 
     def release(self, req: Request) -> None:
         t = self.tracks.pop(req.request_id, None)
@@ -295,8 +299,8 @@ class EagleProposer(HiddenStateProposer):
                 raise RuntimeError(
                     f"request {r.request_id}: {rows.shape[0]} features kept for {r.num_tokens - t.kv} positions"
                 )
-            self._grow(t, t.kv + n)
-            chunks.append(SequenceChunk(r.token_slice(t.kv, t.kv + n), t.kv, t.block_table, num_logits))
+            self._grow(t, t.kv - t.base + n)
+            chunks.append(SequenceChunk(r.token_slice(t.kv, t.kv + n), t.kv - t.base, t.block_table, num_logits))
             feats.append(rows[:n])
             moves.append((t, t.kv + n, [rows[n:]] if n < rows.shape[0] else []))
             tracks.append(t)
@@ -327,7 +331,7 @@ class EagleProposer(HiddenStateProposer):
         ends = [r.num_tokens for r in reqs]
         chunks, feats, tracks, moves = self._catch_up_chunks(reqs, [self.backlog(r) for r in reqs], 1)
         for t, e, k in zip(tracks, ends, ks, strict=True):
-            self._grow(t, e + k - 1)
+            self._grow(t, e - t.base + k - 1)
         need_q = any(not r.sampling_params.is_greedy for r in reqs)
         drafts: list[list[int]] = [[] for _ in reqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -343,7 +347,9 @@ class EagleProposer(HiddenStateProposer):
             active = [active[row] for row in keep]
             if not active:
                 break
-            chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j, tracks[i].block_table, 1) for i in active]
+            chunks = [
+                SequenceChunk([drafts[i][-1]], ends[i] + j - tracks[i].base, tracks[i].block_table, 1) for i in active
+            ]
             feats = g[keep]
         prop = self._proposal(drafts, q_rows, ks, need_q, t0, max(ks))
         self._commit(moves)
