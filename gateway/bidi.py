@@ -31,6 +31,7 @@ from draftwise.gateway.errors import RequestError, clip, error_response
 from draftwise.gateway.relay import Relay
 from draftwise.gateway.resumption import resume_relay
 from draftwise.gateway.streams import Outbox
+from draftwise.gateway.tenancy import metadata_key
 from draftwise.gateway.validate import parse_request, too_large
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import generation_pb2 as pb
@@ -61,6 +62,8 @@ class MultiplexedStream:
         self.half_closed = False
         self.shutting_down = False
         self.fatal: RequestError | None = None  # what ends the whole call (a malformed message)
+        # the caller's API key picks the prefix cache its requests may share (gateway/tenancy.py)
+        self.cache_salt = core.salts.for_key(metadata_key(context.invocation_metadata()))
         self.log = log.bind(stream=self.stream_id)
 
     async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[gspb.GenerateResponse]:
@@ -175,7 +178,7 @@ class MultiplexedStream:
         if isinstance(ticket, Refused):
             self.outbox.put_final(rid, error_response(rid, ticket.code, ticket.message, ticket.retry_after_ms))
             return
-        relay = Relay(self.core, rid, start, ticket, self.outbox, self.context.time_remaining())
+        relay = Relay(self.core, rid, start, ticket, self.outbox, self.context.time_remaining(), self.cache_salt)
         self.active[rid] = relay
         relay.start().add_done_callback(lambda _t, rid=rid, relay=relay: self._done(rid, relay))
 

@@ -10,6 +10,10 @@ gateway adds on the way to a worker (its request id, the model name)."""
 MAX_RECEIVE_BYTES = 64 << 20
 """gRPC's own receive limit of the gateway: messages past it get gRPC's RESOURCE_EXHAUSTED before the
 gateway sees them. ``max_request_bytes`` must stay below it."""
+ROUTING_POLICIES = ("prefix", "least-loaded")
+"""Values of ``GatewayConfig.routing``."""
+CACHE_SCOPES = ("key", "shared")
+"""Values of ``GatewayConfig.prefix_cache_scope``."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,19 @@ class GatewayConfig:
     """Replay buffer cap of one request (serialized events); past it the request can no longer be resumed."""
     resume_buffer_total_bytes: int = 256 << 20
     """Replay buffers of all requests together; a request whose event would pass it loses resumability."""
+    routing: str = "prefix"
+    """How a request picks its worker: prefix (cache-aware: a prompt whose start was seen goes to the worker
+    that ran it, within a load bound, so that its prefix cache is reused; new prompts go to the least-loaded
+    worker) or least-loaded. See docs/serving.md."""
+    prefix_routing_bytes: int = 512
+    """Bytes of a prompt's start that key cache-aware routing (its text; its first token ids, 4 bytes each; its
+    chat messages' roles and contents in order), with its model and cache salt."""
+    prefix_routing_max_keys: int = 100_000
+    """Prompt starts the cache-aware router remembers (about 100 bytes each); the least recently used go first."""
+    prefix_cache_scope: str = "key"
+    """Which requests may share the workers' prefix caches: key (only requests of the same API key: one tenant
+    cannot learn another's prompts from the speed of its answers) or shared (every key: keys that trust each
+    other, such as one application's users of a common system prompt). Without API keys every request shares."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -101,6 +118,14 @@ class GatewayConfig:
             raise ValueError(f"resume_retention_s must be >= 0, got {self.resume_retention_s}")
         if self.resume_buffer_bytes < 0 or self.resume_buffer_total_bytes < 0:
             raise ValueError("resume_buffer_bytes and resume_buffer_total_bytes must be >= 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.prefix_cache_scope not in CACHE_SCOPES:
+            raise ValueError(
+                f"prefix_cache_scope must be one of {', '.join(CACHE_SCOPES)}, got {self.prefix_cache_scope!r}"
+            )
+        if self.prefix_routing_bytes < 1 or self.prefix_routing_max_keys < 1:
+            raise ValueError("prefix_routing_bytes and prefix_routing_max_keys must be >= 1")
         if self.worker_names and len(self.worker_names) != len(self.workers):
             raise ValueError(f"{len(self.worker_names)} worker names for {len(self.workers)} workers")
         for what, items in (("worker address", self.workers), ("worker name", self.worker_names)):

@@ -19,6 +19,7 @@ from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.replay import ReplayBudget
 from draftwise.gateway.router import Router, WorkerHandle
 from draftwise.gateway.streams import Outbox
+from draftwise.gateway.tenancy import CacheSalts
 
 
 class InFlight(Protocol):
@@ -63,10 +64,14 @@ class Core:
     streams: set[Any] = field(default_factory=set)  # open MultiplexedStreams
     resumable: dict[str, InFlight] = field(default_factory=dict)  # resume handle -> request
     replay_budget: ReplayBudget = field(init=False)
+    salts: CacheSalts = field(init=False)
+    """The cache salt of each API key (``--prefix-cache-scope``)."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        self.replay_budget = ReplayBudget(self.config.resume_buffer_total_bytes)
+        cfg = self.config
+        self.replay_budget = ReplayBudget(cfg.resume_buffer_total_bytes)
+        self.salts = CacheSalts(cfg.prefix_cache_scope, bool(cfg.api_keys), cfg.internal_secret)
         # read when scraped: no gauge update (a lock and a store) per relayed delta
         budget = self.replay_budget
         self.metrics.replay_bytes.set_function(lambda: budget.used)

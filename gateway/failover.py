@@ -39,6 +39,8 @@ class Movable(Protocol):
     """Monotonic time by which it must end (None: no deadline)."""
     request: wpb.WorkerServiceGenerateRequest
     """What is sent to a worker; a failover rewrites its start as a continuation."""
+    route_key: bytes | None
+    """Its key for cache-aware routing (None: least-loaded routing)."""
     base_id: str
     """The worker request id of its first attempt (the n-th failover sends ``base_id.n``)."""
     tokens: list[int]
@@ -84,11 +86,11 @@ def watch(core: Core) -> None:
 
 
 def pick(relay: Movable, excluded: dict[WorkerHandle, Any]) -> WorkerHandle | None:
-    """The least-loaded healthy worker for ``relay``'s model, leaving out the ``excluded``
-    workers (worker -> its channel when it failed this request) unless restarted since (a
-    new channel)."""
+    """A healthy worker for ``relay``'s model (the router's choice for its route key), leaving
+    out the ``excluded`` workers (worker -> its channel when it failed this request) unless
+    restarted since (a new channel)."""
     out = frozenset(w for w, channel in excluded.items() if w.channel is channel)
-    return relay.core.router.pick(relay.model, out)
+    return relay.core.router.pick(relay.model, out, relay.route_key)
 
 
 async def wait_for_worker(relay: Movable, excluded: dict[WorkerHandle, Any], why: str) -> WorkerHandle:

@@ -20,7 +20,7 @@ import structlog
 from draftwise.envflags import apply_env, port_number
 from draftwise.flagtable import Flag, add_flags, config_values, table
 from draftwise.gateway.auth import load_api_keys
-from draftwise.gateway.config import GatewayConfig
+from draftwise.gateway.config import CACHE_SCOPES, ROUTING_POLICIES, GatewayConfig
 from draftwise.gateway.discovery import Discovery, DiscoveryConfig, dns_target, read_hosts_file
 from draftwise.gateway.server import Gateway, write_ready_file
 from draftwise.hop import read_secret_file
@@ -40,6 +40,17 @@ GATEWAY_INTERNAL = {
 """GatewayConfig fields without a flag of their own, and why."""
 
 
+def one_of(values: tuple[str, ...]) -> Callable[[str], str]:
+    """A flag converter that takes one of ``values`` (argparse's error names them otherwise)."""
+
+    def convert(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"choose one of {', '.join(values)} (got {text!r})")
+        return text
+
+    return convert
+
+
 @functools.cache
 def gateway_flags() -> tuple[Flag, ...]:
     """The gateway's flags, one per GatewayConfig field (but GATEWAY_INTERNAL)."""
@@ -47,7 +58,13 @@ def gateway_flags() -> tuple[Flag, ...]:
         GatewayConfig,
         internal=GATEWAY_INTERNAL,
         options={"workers": "--worker", "shutdown_grace_s": "--shutdown-grace"},
-        converters={"port": port_number, "metrics_port": port_number, "http_port": port_number},
+        converters={
+            "port": port_number,
+            "metrics_port": port_number,
+            "http_port": port_number,
+            "routing": one_of(ROUTING_POLICIES),
+            "prefix_cache_scope": one_of(CACHE_SCOPES),
+        },
     )
 
 

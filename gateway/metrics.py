@@ -13,13 +13,41 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
+from prometheus_client.registry import Collector
 
 from draftwise.v1 import generation_pb2 as pb
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _RATIO_BUCKETS = tuple(i / 10 for i in range(11))
+
+
+class WorkerCounters(Collector):
+    """Per-worker lifetime counters the workers keep themselves (their GetLoad answers), exported
+    as Prometheus counters as last polled (a worker's restart starts them again from 0, which
+    Prometheus' ``rate`` reads as a counter reset)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[int, int]] = {}
+        """worker name -> (prefix cache queries, prefix cache hits), in tokens."""
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        queries = CounterMetricFamily(
+            "draftwise_prefix_cache_queries",
+            "Prompt tokens a worker looked up in its prefix cache (vLLM's prefix_cache_queries)",
+            labels=["worker"],
+        )
+        hits = CounterMetricFamily(
+            "draftwise_prefix_cache_hits",
+            "Prompt tokens a worker found in its prefix cache (vLLM's prefix_cache_hits)",
+            labels=["worker"],
+        )
+        for name, (q, h) in sorted(list(self.values.items())):  # (a copy: polls update it on the event loop)
+            queries.add_metric([name], q)
+            hits.add_metric([name], h)
+        return [queries, hits]
 
 
 @dataclass
@@ -93,6 +121,30 @@ class GatewayMetrics:
         self.worker_tokens_per_second = Gauge(
             "draftwise_worker_tokens_per_second", "A worker's output tokens per second", ["worker"], registry=r
         )
+        self.kv_cached_blocks = Gauge(
+            "draftwise_kv_cached_blocks",
+            "A worker's KV blocks holding prefix-cached KV a later prompt can find (in use or free)",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_counters = WorkerCounters()
+        r.register(self.worker_counters)
+        self.routing_decisions = Counter(
+            "draftwise_routing_decisions",
+            "Cache-aware routing decisions by outcome: hit (the prefix's worker), new (a prefix not seen), "
+            "spill (its worker over the load bound), fallback (its worker gone, unhealthy or excluded)",
+            ["outcome"],
+            registry=r,
+        )
+        self.routing_keys = Gauge(
+            "draftwise_routing_keys", "Prompt prefixes the cache-aware router remembers", registry=r
+        )
+        self.routing_keys_dropped = Counter(
+            "draftwise_routing_keys_dropped",
+            "Prompt prefixes the router forgot, by reason: restart (its worker restarted), retired, evicted (table full)",
+            ["reason"],
+            registry=r,
+        )
         self.worker_healthy = Gauge(
             "draftwise_worker_healthy", "1 when the worker answers and accepts requests", ["worker"], registry=r
         )
@@ -143,9 +195,11 @@ class GatewayMetrics:
 
     def forget_worker(self, name: str) -> None:
         """Drop the per-worker series of a worker that left the pool."""
-        for gauge in (self.kv_usage, self.worker_running, self.worker_waiting, self.worker_tokens_per_second):
+        gauges = (self.kv_usage, self.worker_running, self.worker_waiting, self.worker_tokens_per_second)
+        for gauge in (*gauges, self.kv_cached_blocks):
             with contextlib.suppress(KeyError):
                 gauge.remove(name)
+        self.worker_counters.values.pop(name, None)
         with contextlib.suppress(KeyError):
             self.worker_healthy.remove(name)
 

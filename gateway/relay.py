@@ -30,6 +30,7 @@ from draftwise.gateway.admit import Admitted
 from draftwise.gateway.core import Core
 from draftwise.gateway.errors import MAX_DETAILS_CHARS, RequestError, clip, error_response
 from draftwise.gateway.failover import as_continuation, pick, prepare_failover, wait_for_worker
+from draftwise.gateway.prefix_routing import route_key
 from draftwise.gateway.replay import new_handle
 from draftwise.gateway.resumption import Resumable
 from draftwise.gateway.router import WorkerHandle
@@ -62,13 +63,16 @@ class Relay(Resumable):
         admitted: Admitted,
         outbox: Outbox | None,
         timeout_s: float | None,
+        cache_salt: str = "",
     ) -> None:
         # every output token the client has, in order: a client may itself start from a continuation
         self.tokens: list[int] = list(start.continuation.output_token_ids)
         super().__init__(core, request_id, outbox, num_tokens=len(self.tokens))
         self.model = model = admitted.model
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.request = wpb.WorkerServiceGenerateRequest(start=start)
+        # the salt stays with the request, failovers and resumes included (docs/serving.md)
+        self.request = wpb.WorkerServiceGenerateRequest(start=start, cache_salt=cache_salt)
+        self.route_key = route_key(core.config, cache_salt, model, start.prompt)
         self.base_id = core.worker_request_id()
         self.request.start.request_id = self.base_id
         self.request.start.model = model

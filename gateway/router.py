@@ -1,6 +1,8 @@
 """Workers and routing: each worker's ``GetLoad`` is polled periodically; a request goes to
-the least-loaded healthy worker serving its model, counting the gateway's own in-flight
-requests first (they change at once, polls lag) and the worker's queue and KV use next.
+a healthy worker serving its model: with a route key (cache-aware routing,
+:mod:`draftwise.gateway.prefix_routing`) the one holding its prompt's prefix within a load bound,
+else the least-loaded one, counting the gateway's own in-flight requests first (they change at
+once, polls lag) and the worker's queue and KV use next.
 
 Each worker has a stable name (``worker-0``... under ``draftwise serve``, else its address)
 that labels its metrics; a restarted worker may come back on another port, and
@@ -27,6 +29,7 @@ import grpc
 import structlog
 
 from draftwise.gateway.metrics import GatewayMetrics
+from draftwise.gateway.prefix_routing import PrefixRouting
 from draftwise.hop import secret_metadata
 from draftwise.v1 import generate_service_pb2 as gspb
 from draftwise.v1 import worker_service_pb2 as wpb
@@ -136,6 +139,8 @@ class Router:
         on_health_change: Callable[[bool], None] | None = None,
         names: tuple[str, ...] = (),
         internal_secret: str = "",
+        routing: str = "prefix",
+        prefix_max_keys: int = 100_000,
     ) -> None:
         self._metadata = secret_metadata(internal_secret)
         self.workers = [
@@ -149,6 +154,8 @@ class Router:
         self._serving = False
         self._task: asyncio.Task[None] | None = None
         self._tiebreak = itertools.count()
+        self.prefix = PrefixRouting(prefix_max_keys, metrics) if routing == "prefix" else None
+        """Cache-aware routing's table (None: least-loaded routing alone)."""
         self._background: set[asyncio.Task[Any]] = set()
         self.watchers: list[Callable[[], None]] = []
         """Called after every round of polls (the gateway's hang and drain detection for its requests)."""
@@ -220,6 +227,8 @@ class Router:
             return
         w.retired = True
         self._set_healthy(w, False, f"retired: {reason}")
+        if self.prefix is not None:
+            self.prefix.forget(name, "retired")
         log.info("worker retiring", worker=name, address=w.address, reason=reason, in_flight=w.in_flight)
         self._drop_idle()
 
@@ -305,6 +314,10 @@ class Router:
         m.worker_running.labels(w.name).set(load.num_requests_running)
         m.worker_waiting.labels(w.name).set(load.num_requests_waiting)
         m.worker_tokens_per_second.labels(w.name).set(load.tokens_per_second)
+        m.kv_cached_blocks.labels(w.name).set(load.num_cached_kv_blocks)
+        m.worker_counters.values[w.name] = (load.prefix_cache_queries, load.prefix_cache_hits)
+        if self.prefix is not None:
+            self.prefix.observe_start(w.name, load.worker_started_at)
         if w.retired:
             self._set_healthy(w, False, w.last_error)
             return
@@ -355,11 +368,17 @@ class Router:
                 out[w.model] = w
         return out
 
-    def pick(self, model: str, exclude: frozenset[WorkerHandle] = frozenset()) -> WorkerHandle | None:
-        """The least-loaded healthy worker serving ``model``, or None."""
-        candidates = [w for w in self.workers if w.healthy and w.model == model and w not in exclude]
+    def pick(
+        self, model: str, exclude: frozenset[WorkerHandle] = frozenset(), key: bytes | None = None
+    ) -> WorkerHandle | None:
+        """A healthy worker serving ``model`` but those in ``exclude``, or None: for a route
+        ``key``, cache-aware routing's choice (:meth:`PrefixRouting.choose`), else the least-loaded."""
+        pool = [w for w in self.workers if w.healthy and w.model == model]
+        candidates = [w for w in pool if w not in exclude]
         if not candidates:
             return None
+        if key is not None and self.prefix is not None:
+            return self.prefix.choose(key, pool, candidates)
         best = min(w.score() for w in candidates)
         tied = [w for w in candidates if w.score() == best]
         return tied[next(self._tiebreak) % len(tied)]

@@ -59,6 +59,8 @@ class Gateway:
             on_health_change=self._on_health_change,
             names=config.worker_names,
             internal_secret=config.internal_secret,
+            routing=config.routing,
+            prefix_max_keys=config.prefix_routing_max_keys,
         )
         self.core = Core(
             config=config,

@@ -27,6 +27,7 @@ from draftwise.gateway.relay import Relay
 from draftwise.gateway.resumption import UNKNOWN_HANDLE_METADATA, resume_relay
 from draftwise.gateway.router import WorkerHandle
 from draftwise.gateway.streams import Outbox
+from draftwise.gateway.tenancy import metadata_key
 from draftwise.gateway.validate import parse_request
 from draftwise.v1 import generate_service_pb2 as gspb
 
@@ -83,7 +84,8 @@ class GenerateServicer:
             return  # (abort raises)
         rid = start.request_id or f"req-{uuid.uuid4().hex[:16]}"
         outbox = Outbox(core.config.max_buffered_tokens)
-        relay = Relay(core, rid, start, ticket, outbox, context.time_remaining())
+        salt = core.salts.for_key(metadata_key(context.invocation_metadata()))  # (gateway/tenancy.py)
+        relay = Relay(core, rid, start, ticket, outbox, context.time_remaining(), salt)
         relay.start()
         async for resp in _events(relay, outbox, context):
             yield resp

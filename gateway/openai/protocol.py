@@ -356,12 +356,22 @@ def speculation(s: pb.SpeculationStats | None) -> dict[str, Any] | None:
     }
 
 
-def usage(u: pb.Usage) -> dict[str, int]:
+def usage(u: pb.Usage) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV the
+    worker reused from its prefix cache."""
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
     }
+
+
+def add_usage(total: pb.Usage, u: pb.Usage) -> None:
+    """Add ``u``'s token counts to ``total`` (a batch's usage is its requests' summed)."""
+    total.prompt_tokens += u.prompt_tokens
+    total.completion_tokens += u.completion_tokens
+    total.cached_prompt_tokens += u.cached_prompt_tokens
 
 
 def finish_reason(f: pb.Finished) -> str:

@@ -40,6 +40,7 @@ from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
 from draftwise.gateway.relay import Relay
 from draftwise.gateway.sampling_check import FieldError, check_sampling
 from draftwise.gateway.streams import Outbox
+from draftwise.gateway.tenancy import bearer_key
 from draftwise.gateway.validate import validate_start
 from draftwise.v1 import generation_pb2 as pb
 
@@ -216,11 +217,13 @@ class OpenAIServer:
         status = HTTP_STATUS.get(ticket.code, 500)
         raise ApiError(status, ticket.message, "model" if status == 404 else None, error_code(status))
 
-    def _relay(self, rid: str, start: pb.StartGeneration) -> tuple[Relay, Outbox, str]:
-        """A started relay of ``start`` (admitted: ApiError when it cannot be), its outbox, its model."""
+    def _relay(self, request: web.Request, rid: str, start: pb.StartGeneration) -> tuple[Relay, Outbox, str]:
+        """A started relay of ``start`` (admitted: ApiError when it cannot be), its outbox, its model.
+        Its cache salt follows the caller's API key (gateway/tenancy.py)."""
         ticket = self._admit(start)
         outbox = Outbox(self.core.config.max_buffered_tokens)
-        relay = Relay(self.core, rid, start, ticket, outbox, None)
+        salt = self.core.salts.for_key(bearer_key(request.headers.get("Authorization")))
+        relay = Relay(self.core, rid, start, ticket, outbox, None, salt)
         relay.buffer = None  # not resumable over HTTP: a client that leaves cancels its request
         relay.start()
         return relay, outbox, ticket.model
@@ -229,7 +232,7 @@ class OpenAIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if len(parsed.starts) > 1:
             return await self._batch(request, parsed, rid)
-        relay, outbox, model = self._relay(rid, parsed.start)
+        relay, outbox, model = self._relay(request, rid, parsed.start)
         try:
             first = await outbox.get()
             raise_if_error(first)
@@ -249,7 +252,7 @@ class OpenAIServer:
         try:
             outboxes = []
             for i, start in enumerate(parsed.starts):
-                relay, outbox, model = self._relay(f"{rid}-{i}", start)
+                relay, outbox, model = self._relay(request, f"{rid}-{i}", start)
                 relays.append(relay)
                 outboxes.append(outbox)
             if parsed.stream:
@@ -261,8 +264,7 @@ class OpenAIServer:
         choices = [dict(choice, index=i) for i, (choice, _, _) in enumerate(results)]
         total = pb.Usage()
         for _, u, _ in results:
-            total.prompt_tokens += u.prompt_tokens
-            total.completion_tokens += u.completion_tokens
+            P.add_usage(total, u)
         return _json(200, _response(rid, False, model, choices, total, None))
 
     async def _stream_batch(
@@ -282,8 +284,7 @@ class OpenAIServer:
                     choice = {"index": i, "text": ev.delta.text, "logprobs": lp, "finish_reason": None}
                 else:
                     fin = ev.finished
-                    total.prompt_tokens += fin.usage.prompt_tokens
-                    total.completion_tokens += fin.usage.completion_tokens
+                    P.add_usage(total, fin.usage)
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": P.finish_reason(fin)}
                 await http.write(_sse(dict(base, choices=[choice], **extra)))
             if parsed.include_usage:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from draftwise.gateway.openai import protocol as P
 from draftwise.gateway.openai.protocol import ApiError, error_body, parse_chat, parse_completion
+from draftwise.v1 import generation_pb2 as pb
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -133,3 +135,20 @@ def test_error_body_shape() -> None:
         "error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
     }
     assert error_body(418, "teapot")["error"]["type"] == "server_error"
+
+
+def test_usage_reports_cached_prompt_tokens() -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field) from Usage.cached_prompt_tokens;
+    a batch sums them (the official SDK parsing it: tests/integration/test_prefix_cache_serving.py)."""
+    u = pb.Usage(prompt_tokens=40, completion_tokens=3, cached_prompt_tokens=32)
+    assert P.usage(u) == {
+        "prompt_tokens": 40,
+        "completion_tokens": 3,
+        "total_tokens": 43,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    total = pb.Usage()
+    P.add_usage(total, u)
+    P.add_usage(total, pb.Usage(prompt_tokens=8, completion_tokens=1))
+    assert P.usage(total)["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert (total.prompt_tokens, total.completion_tokens) == (48, 4)

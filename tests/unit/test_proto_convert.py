@@ -5,6 +5,8 @@ metrics read what the worker writes. Speculation options map onto SamplingParams
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from draftwise.gateway.metrics import GatewayMetrics
@@ -88,6 +90,18 @@ def test_finished_usage_equals_the_last_deltas_counters():
     assert f.usage.speculative_proposed_tokens == delta_ev.delta.speculation.proposed_tokens == 12
     assert f.usage.speculative_accepted_tokens == delta_ev.delta.speculation.accepted_tokens == 5
     assert f.timings.queue_ms == pytest.approx(500) and f.timings.total_ms == pytest.approx(2000)
+
+
+def test_finished_usage_reports_the_cached_prompt_tokens():
+    """RequestOutput.num_cached_tokens -> Usage.cached_prompt_tokens (never past the prompt: a
+    continuation's cached tokens may include output tokens)."""
+    final = _final(None, [4, 5])
+
+    def cached(n: int) -> int:
+        out = dataclasses.replace(final, num_cached_tokens=n)
+        return finished_from_delta(_delta(None, [5], first=1, final=out)).usage.cached_prompt_tokens
+
+    assert (cached(0), cached(2), cached(5)) == (0, 2, 3)
 
 
 def test_a_final_delta_without_tokens_still_reports_usage():

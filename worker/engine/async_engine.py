@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from draftwise.worker.core.block_manager import PrefixCacheStats
 from draftwise.worker.core.outputs import RequestDelta, SpecStats, StepOutput
 from draftwise.worker.engine.llm_engine import EngineDeadError, LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
@@ -70,6 +71,8 @@ class LoadSnapshot:
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    """The prefix cache's lifetime counters (tokens looked up, found) and its cached blocks."""
 
 
 class AsyncEngine:
@@ -126,8 +129,11 @@ class AsyncEngine:
                 fut.set_exception(EngineDeadError(f"the engine is not running: {self.dead}"))
 
     def _snapshot(self) -> LoadSnapshot:
-        sched, blocks = self.engine.scheduler, self.engine.blocks
-        return LoadSnapshot(len(sched.running), len(sched.waiting), blocks.num_free_blocks, blocks.num_blocks)
+        engine = self.engine
+        sched, blocks = engine.scheduler, engine.blocks
+        return LoadSnapshot(
+            len(sched.running), len(sched.waiting), blocks.num_free_blocks, blocks.num_blocks, engine.prefix_cache_stats
+        )
 
     def _apply_commands(self) -> None:
         """Run the queued commands, then publish the load they leave."""
@@ -165,11 +171,13 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         continuation: Sequence[int] = (),
         continuation_spec: SpecStats | None = None,
+        cache_salt: str = "",
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the deltas of one request. ValueError for a bad request, before any delta;
         RequestFailedError if the engine fails it; EngineDeadError if the engine stops.
         A ChatPrompt is rendered with the model's chat template (off the engine thread too)
-        and stops at the template's end-of-turn token."""
+        and stops at the template's end-of-turn token. Requests with different ``cache_salt``
+        never share cached KV blocks."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead or 'not started'}")
         ids: list[int] | None = None
@@ -189,6 +197,7 @@ class AsyncEngine:
                 prompt_token_ids=ids,
                 continuation=continuation,
                 continuation_spec=continuation_spec,
+                cache_salt=cache_salt,
             )
             self._streams[request_id] = stream
 

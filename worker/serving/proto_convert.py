@@ -144,6 +144,8 @@ def finished_from_delta(d: RequestDelta) -> pb.Finished:
         msg.usage.completion_tokens = len(completion.token_ids)
         msg.usage.speculative_proposed_tokens = completion.num_spec_proposed
         msg.usage.speculative_accepted_tokens = completion.num_spec_accepted
+        # (a continuation's cached tokens may include output tokens: the prompt's are reported)
+        msg.usage.cached_prompt_tokens = min(out.num_cached_tokens, msg.usage.prompt_tokens)
         m = out.metrics
         if m.queue_time is not None:
             msg.timings.queue_ms = m.queue_time * 1000

@@ -71,8 +71,10 @@ TOKENS_PER_SECOND_WINDOW_S = 5.0
 
 
 class WorkerServicer(wgrpc.WorkerServiceServicer):
-    def __init__(self, aengine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, aengine: AsyncEngine, model_name: str, started_at: float | None = None) -> None:
         self.aengine = aengine
+        self.started_at = time.time() if started_at is None else started_at
+        """When this worker process started (unix seconds): GetLoad's worker_started_at."""
         self.engine = aengine.engine
         self.model_name = model_name
         self.draining = False
@@ -137,7 +139,7 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         self.in_flight += 1
         self._idle.clear()
         try:
-            stream = self.aengine.generate(rid, prompt, params, continuation, continuation_spec)
+            stream = self.aengine.generate(rid, prompt, params, continuation, continuation_spec, request.cache_salt)
             try:
                 async for delta in stream:
                     for resp in responses_from_delta(delta):
@@ -171,6 +173,10 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
             num_total_kv_blocks=load.num_total_blocks,
             tokens_per_second=self.tokens_per_second(),
             draining=self.draining,
+            prefix_cache_queries=load.prefix_cache.queries,
+            prefix_cache_hits=load.prefix_cache.hits,
+            num_cached_kv_blocks=load.prefix_cache.cached_blocks,
+            worker_started_at=self.started_at,
         )
 
     async def Drain(self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext) -> wpb.DrainResponse:  # noqa: N802
@@ -226,14 +232,14 @@ async def serve(
     grace_s: float = 10.0,
     internal_secret: str | None = None,
 ) -> int:
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     engine = LLMEngine(config)
     aengine = AsyncEngine(engine)
     aengine.start()
     # every call but health must carry the launch's secret (None: --insecure-internal)
     interceptors = [InternalSecretInterceptor(internal_secret)] if internal_secret is not None else []
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    servicer = WorkerServicer(aengine, model_name)
+    servicer = WorkerServicer(aengine, model_name, started_at)
     wgrpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]  (a lazily imported submodule)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

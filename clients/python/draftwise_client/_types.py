@@ -85,6 +85,7 @@ class Usage:
     completion_tokens: int = 0
     speculative_proposed_tokens: int = 0
     speculative_accepted_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV the worker reused from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,13 @@ def delta_from_event(event: pb.GenerationEvent) -> Delta:
         first_token_index=u.completion_tokens,
         finish_reason=_FINISH.get(f.finish_reason, "stop"),
         stop_reason=getattr(f, which) if which else None,
-        usage=Usage(u.prompt_tokens, u.completion_tokens, u.speculative_proposed_tokens, u.speculative_accepted_tokens),
+        usage=Usage(
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.speculative_proposed_tokens,
+            u.speculative_accepted_tokens,
+            u.cached_prompt_tokens,
+        ),
     )
 
 
