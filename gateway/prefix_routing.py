@@ -13,8 +13,10 @@ The policy (:meth:`PrefixRouting.choose`), with bounded load so that one hot pre
 overload one worker (consistent hashing with bounded loads, Mirrokni et al. 2018):
 
 - a new key goes to the least-loaded worker: fewest of this gateway's requests in flight, then
-  fewest queued at the worker, then fewest keys assigned (so that distinct prefixes spread
-  evenly), then the least KV in use; it becomes the key's worker (``new``);
+  fewest keys assigned (so that distinct prefixes spread evenly: the keys a worker holds are the
+  load it will get), then fewest queued at the worker, then the least KV in use (both as of the
+  last poll, up to half a second old, which is why they come after the keys); it becomes the
+  key's worker (``new``);
 - a known key goes to its worker (``hit``) unless that worker would then run more than
   ``ceil(LOAD_BOUND x mean)`` requests, the mean taken over the healthy workers of the model
   with this request counted: then it spills to the least-loaded other worker (``spill``), and
@@ -146,7 +148,7 @@ class PrefixRouting:
 
         def order(w: W) -> tuple[int, int, int, float]:
             in_flight, waiting, kv_used = w.score()
-            return in_flight, waiting, self._keys[w.name], kv_used
+            return in_flight, self._keys[w.name], waiting, kv_used
 
         best = min(order(w) for w in workers)
         tied = [w for w in workers if order(w) == best]

@@ -220,6 +220,21 @@ def test_serve_passes_its_engine_flags_to_the_workers_exactly():
     assert worker_argv(_subparser("serve").parse_args([])) == []
 
 
+def test_serve_passes_no_enable_prefix_caching_to_its_workers():
+    """Prefix caching is on by default (nothing passed); --no-enable-prefix-caching reaches every
+    worker's EngineConfig (the end-to-end run: tests/integration/test_prefix_cache_serving.py)."""
+    from draftwise.cli.engine_flags import engine_config
+    from draftwise.cli.serve import worker_argv
+    from draftwise.worker.serving.server import build_parser as worker_parser
+
+    args = _subparser("serve").parse_args(["--no-enable-prefix-caching"])
+    argv = worker_argv(args)
+    assert argv == ["--no-enable-prefix-caching"]
+    assert worker_parser().parse_args(argv).enable_prefix_caching is False
+    assert engine_config(args).enable_prefix_caching is False
+    assert worker_parser().parse_args([]).enable_prefix_caching is True
+
+
 @dataclasses.dataclass(frozen=True)
 class _Documented:
     size: int = 3  # how many

@@ -144,6 +144,22 @@ def test_new_keys_spread_evenly_and_known_keys_stick():
     run(test)
 
 
+def test_new_keys_go_by_keys_held_before_the_polled_queue():
+    """A queue seen by a poll (up to half a second old) does not outweigh the keys a worker holds."""
+
+    async def test(router: Router) -> None:
+        w0, w1 = router.workers
+        assert router.pick("m", key=key(1)) is not None
+        holder = router.worker(router.prefix.owner(key(1)) or "")  # type: ignore[union-attr]
+        other = w1 if holder is w0 else w0
+        await answer(router, other, num_requests_waiting=1, worker_started_at=1000.0)
+        assert router.pick("m", key=key(2)) is other
+        other.in_flight = 1  # this gateway's own requests come first
+        assert router.pick("m", key=key(3)) is holder
+
+    run(test)
+
+
 def test_a_known_key_spills_past_the_load_bound_and_stays_with_its_worker():
     async def test(router: Router) -> None:
         w0, w1 = router.workers
