@@ -100,7 +100,8 @@ LONG = 450  # tokens: surely still running when the test acts (the context is 51
 def long_requests_while(
     gateway: Proc, action: Callable[[], None], busy: str = "", n: int = 2, tokens: int = LONG
 ) -> dict:
-    """``n`` greedy requests on one stream (least-loaded routing spreads them over the workers);
+    """``n`` greedy requests on one stream, each with its own prompt (new prompts go to the
+    least-loaded worker: the router spreads them over the workers);
     ``action`` runs once every one of them has streamed a few tokens (and, given ``busy``, right
     after the worker at that address said it runs one); every request's result."""
 
@@ -109,7 +110,8 @@ def long_requests_while(
             call = gsgrpc.GenerateServiceStub(ch).Generate(timeout=120)
             results = {f"long{i}": Result(f"long{i}") for i in range(n)}
             for rid in results:
-                await call.write(start_req(start(rid, max_tokens=tokens, temperature=0, ignore_eos=True)))
+                prompt = f"# {rid}\ndef fibonacci(n):"
+                await call.write(start_req(start(rid, prompt, max_tokens=tokens, temperature=0, ignore_eos=True)))
             while not all(len(r.token_ids) >= 3 for r in results.values()):
                 ev = (await call.read()).event
                 results[ev.request_id].add(ev)
