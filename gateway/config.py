@@ -88,7 +88,7 @@ class GatewayConfig:
     """Bytes of a prompt's start that key cache-aware routing (its text; its first token ids, 4 bytes each; its
     chat messages' roles and contents in order), with its model and cache salt."""
     prefix_routing_max_keys: int = 100_000
-    """Prompt starts the cache-aware router remembers (about 100 bytes each); the least recently used go first."""
+    """Prompt starts the cache-aware router remembers (about 150 bytes each); the least recently used go first."""
     prefix_cache_scope: str = "key"
     """Which requests may share the workers' prefix caches: key (only requests of the same API key: one tenant
     cannot learn another's prompts from the speed of its answers) or shared (every key: keys that trust each
