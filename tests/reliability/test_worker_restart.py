@@ -104,10 +104,11 @@ def test_sigkill_a_worker_under_load(serve, victim):
             stub = gsgrpc.GenerateServiceStub(ch)
             await _until(lambda: _zero_running(serve), 30, "workers idle before the test")
             # one long stream on each worker: the first goes somewhere, the second to the other
+            # (prompts of this run alone: a prompt seen before goes back to the worker holding it)
             calls, results, where = {}, {}, {}
             for rid in ("a", "b"):
                 calls[rid] = stub.Generate(timeout=120)
-                await calls[rid].write(start_req(start(rid, f"# {rid}\ndef f(x):", **LONG)))
+                await calls[rid].write(start_req(start(rid, f"# {rid} {victim}\ndef f(x):", **LONG)))
                 await calls[rid].done_writing()
                 results[rid] = Result(rid)
                 await _read(calls[rid], results[rid], until_tokens=3)
@@ -131,7 +132,7 @@ def test_sigkill_a_worker_under_load(serve, victim):
             extra = [stub.Generate(timeout=120) for _ in range(2)]
             extra_results = [Result(f"x{i}") for i in range(2)]
             for i, call in enumerate(extra):
-                await call.write(start_req(start(f"x{i}", f"# x{i}\nclass A:", **EXTRA)))
+                await call.write(start_req(start(f"x{i}", f"# x{i} {victim}\nclass A:", **EXTRA)))
                 await call.done_writing()
             for call, r in zip(extra, extra_results, strict=True):
                 await _read(call, r, until_tokens=2)
