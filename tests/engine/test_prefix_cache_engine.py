@@ -12,7 +12,8 @@ with the cache off. With the cache on:
 - seeded sampling: equal to seeded sampling without the cache;
 - a pool small enough to evict cached prefixes: still exact;
 - a request sharing cached blocks that fails in the forward pass or is aborted mid-prefill
-  leaves the others exact and nothing owned.
+  leaves the others exact and nothing owned;
+- the draft model's own pool finds cached blocks too (it caches under the target's hashes).
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def test_speculation_with_the_cache_is_exact(workload, method):
     )
     out = run_together(reqs, engine)
     assert engine.prefix_cache_stats.hits > 0
+    if engine.proposer is not None:  # the draft model's pool caches its blocks under the same hashes
+        assert engine.proposer.blocks.prefix_cache_stats.hits > 0
     assert engine.spec_totals["accepted"] > 0, engine.spec_totals
     assert not _mismatched(out, ref)
     engine.check_idle_invariants()

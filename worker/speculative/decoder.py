@@ -127,7 +127,7 @@ class SpecDecoder:
             else:
                 proposer = MedusaProposer(draft, target.model, vocab)
         elif draft is not None:
-            proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab)
+            proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab, config.enable_prefix_caching)
         else:
             proposer = NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 4)
         return cls(config, proposer, max_model_len)

@@ -13,6 +13,10 @@ k drafts:
 - steps 1..k-1: d_j alone at position N + j - 1: q_{j+1}, d_{j+1} ~ q_{j+1}.
 
 Requests with different k share the steps: a request drops out once it has its k tokens.
+With prefix caching the draft pool caches its full blocks under the target's block hashes
+(``Request.block_hashes``: they depend on the tokens and the tenant's salt alone): a request
+met for the first time starts with the longest cached run of them, and only full blocks of real
+tokens (never drafted positions) are offered to the cache.
 Afterwards the draft cache holds N + k - 1 tokens; :meth:`DraftModelProposer.settle` keeps the
 first N + min(accepted, k - 1) of them (the accepted prefix; rejected positions are simply
 forgotten: their slots are overwritten later) and gives back blocks beyond.
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwise.worker.core.block_manager import BlockManager, BlockTable
-from draftwise.worker.core.request import Request
+from draftwise.worker.core.request import FinishReason, Request
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
@@ -65,6 +69,7 @@ class DraftKV:
     block_table: list[int] = field(default_factory=BlockTable)  # blocks of the proposer's pool
     num_computed: int = 0  # tokens whose draft KV is in the cache
     vocab_checked: int = 0  # leading tokens of the request known to be inside the draft's vocabulary
+    num_blocks_cached: int = 0  # leading blocks offered to the draft pool's prefix cache
 
 
 class DraftModelProposer(Proposer):
@@ -72,7 +77,9 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab: int, prefix_caching: bool = False
+    ) -> None:
         if loaded.config.vocab_size > target_vocab:
             raise ValueError(
                 f"the draft's vocabulary ({loaded.config.vocab_size}) is larger than the target's ({target_vocab}): "
@@ -81,7 +88,7 @@ class DraftModelProposer(Proposer):
         self.loaded = loaded
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded, self.kv_cache)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.target_vocab = target_vocab
         self.device = loaded.device
         self.kv: dict[str, DraftKV] = {}  # request id -> its draft KV (requests that were proposed for)
@@ -93,15 +100,30 @@ class DraftModelProposer(Proposer):
         v = self.loaded.config.vocab_size
         if v >= self.target_vocab:
             return True
-        kv = self.kv.setdefault(req.request_id, DraftKV())  # only the tokens not checked before are read
+        kv = self._kv(req)  # only the tokens not checked before are read
         if any(t >= v for t in req.token_slice(kv.vocab_checked, req.num_tokens)):
             return False
         kv.vocab_checked = req.num_tokens
         return True
 
     def backlog(self, req: Request) -> int:
+        return req.num_tokens - self._kv(req).num_computed
+
+    def _kv(self, req: Request) -> DraftKV:
+        """``req``'s draft KV; the first time, started with its longest cached prefix."""
         kv = self.kv.get(req.request_id)
-        return req.num_tokens - (0 if kv is None else kv.num_computed)
+        if kv is None:
+            kv = self.kv[req.request_id] = DraftKV()
+            hit = self.blocks.match(kv.block_table, req.block_hashes, req.num_tokens - 1)
+            self.blocks.count_lookup(req.num_tokens - 1, hit)
+            kv.num_computed, kv.num_blocks_cached = hit, hit // self.blocks.block_size
+        return kv
+
+    def _offer(self, req: Request, kv: DraftKV) -> None:
+        """Offer the full blocks of real tokens the draft has computed to its prefix cache."""
+        kv.num_blocks_cached = self.blocks.cache_blocks(
+            kv.block_table, req.block_hashes, min(kv.num_computed, req.num_tokens), kv.num_blocks_cached
+        )
 
     def catch_up(self, reqs: Sequence[Request], ns: Sequence[int]) -> None:
         """One draft forward pass over the next ``ns[i]`` unread tokens of each request (no
@@ -110,14 +132,16 @@ class DraftModelProposer(Proposer):
         for r, n in zip(reqs, ns, strict=True):
             if not 1 <= n <= self.backlog(r):
                 raise ValueError(f"request {r.request_id}: cannot catch up {n} of {self.backlog(r)} tokens")
-            kv = self.kv.setdefault(r.request_id, DraftKV())
+            kv = self._kv(r)
             end = kv.num_computed + n
             if not self.blocks.grow(kv.block_table, end):
                 raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
             chunks.append(SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 0))
         self.runner.run(chunks)
         for r, n in zip(reqs, ns, strict=True):
-            self.kv[r.request_id].num_computed += n
+            kv = self.kv[r.request_id]
+            kv.num_computed += n
+            self._offer(r, kv)
 
     def _draw(
         self,
@@ -150,7 +174,7 @@ class DraftModelProposer(Proposer):
         drafts: list[list[int]] = [[] for _ in range(n)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
         ends = [r.num_tokens for r in reqs]
-        kvs = [self.kv.setdefault(r.request_id, DraftKV()) for r in reqs]
+        kvs = [self._kv(r) for r in reqs]
         for r, k, end, kv in zip(reqs, ks, ends, kvs, strict=True):
             if k < 1:
                 raise ValueError(f"request {r.request_id}: k must be >= 1, got {k}")
@@ -166,6 +190,7 @@ class DraftModelProposer(Proposer):
         t_first = time.perf_counter()
         for i in range(n):
             kvs[i].num_computed = ends[i]
+            self._offer(reqs[i], kvs[i])  # real tokens only: drafted positions follow
             drafts[i].append(toks[i])
             if q is not None:
                 q_rows[i].append(q[i])
@@ -203,6 +228,8 @@ class DraftModelProposer(Proposer):
         """Free the request's draft blocks (finished, aborted, failed or preempted)."""
         kv = self.kv.pop(req.request_id, None)
         if kv is not None:
+            if req.finish_reason is not FinishReason.ERROR:
+                self._offer(req, kv)
             self.blocks.free(kv.block_table)
 
     def check(self, reqs: Sequence[Request]) -> None:
