@@ -19,8 +19,8 @@ overload one worker (consistent hashing with bounded loads, Mirrokni et al. 2018
   key's worker (``new``);
 - a known key goes to its worker (``hit``) unless that worker would then run more than
   ``ceil(LOAD_BOUND x mean)`` requests, the mean taken over the healthy workers of the model
-  with this request counted: then it spills to the least-loaded other worker (``spill``), and
-  the key stays with its worker;
+  with this request counted, and more than ``SPILL_GAP`` more than the least-loaded other one:
+  then it spills to the least-loaded other worker (``spill``), and the key stays with its worker;
 - when the key's worker is gone, unhealthy or draining, the request goes to the least-loaded
   worker, which becomes the key's worker (``fallback``); when it is only excluded (a failover
   never goes back to the worker that failed the request), the request goes elsewhere and the
@@ -51,7 +51,11 @@ from draftwise.v1 import generation_pb2 as pb
 log = structlog.get_logger("draftwise.gateway.prefix_routing")
 
 LOAD_BOUND = 1.25
-"""A key's worker takes its requests while it would run at most ``ceil(LOAD_BOUND x mean)``."""
+"""A key's worker takes its requests while it would run at most ``ceil(LOAD_BOUND x mean)``..."""
+SPILL_GAP = 4
+"""... or at most ``SPILL_GAP`` more than the least-loaded other worker: at a few requests in flight a
+relative bound alone spills on noise (5 of 8 on one of 2 workers), and each spill computes the
+prefix again elsewhere (SGLang's router has such an absolute threshold too)."""
 KEY_BYTES = 16
 """Size of a route key (a BLAKE2b digest)."""
 
@@ -200,6 +204,9 @@ class PrefixRouting:
 
 def over_bound(w: Routable, pool: Sequence[Routable]) -> bool:
     """Whether ``w`` would run more than ``ceil(LOAD_BOUND x mean)`` of this gateway's requests
-    with one more, the mean over ``pool`` with that request counted."""
+    with one more, the mean over ``pool`` with that request counted, and more than ``SPILL_GAP``
+    more than the least-loaded other worker of ``pool``."""
     total = sum(x.in_flight for x in pool) + 1
-    return w.in_flight + 1 > math.ceil(LOAD_BOUND * total / len(pool))
+    others = [x.in_flight for x in pool if x is not w]
+    gap = w.in_flight + 1 - min(others, default=0)
+    return w.in_flight + 1 > math.ceil(LOAD_BOUND * total / len(pool)) and gap > SPILL_GAP

@@ -168,13 +168,30 @@ def test_a_known_key_spills_past_the_load_bound_and_stays_with_its_worker():
         w1.in_flight = 0
         w0.in_flight = 1  # 2 with this request; mean 1, bound ceil(1.25) = 2: still its own
         assert router.pick("m", key=key("hot")) is w0
-        w0.in_flight = 2  # 3 with it; mean 1.5, bound ceil(1.875) = 2: spills
+        w0.in_flight = 2  # 3 with it; mean 1.5, bound ceil(1.875) = 2, but only 3 more than w1: still its own
+        assert not over_bound(w0, [w0, w1])
+        assert router.pick("m", key=key("hot")) is w0
+        w0.in_flight = 4  # 5 with it; mean 2.5, bound ceil(3.125) = 4, and 5 more than w1: spills
         assert over_bound(w0, [w0, w1])
         assert router.pick("m", key=key("hot")) is w1
         assert router.prefix is not None and router.prefix.owner(key("hot")) == w0.name
         w0.in_flight = 0
         assert router.pick("m", key=key("hot")) is w0
-        assert outcomes(router) == {"new": 1, "hit": 2, "spill": 1}
+        assert outcomes(router) == {"new": 1, "hit": 3, "spill": 1}
+
+    run(test)
+
+
+def test_one_hot_prefix_cannot_overload_one_worker():
+    """40 requests of one prefix in flight at once: its worker takes them up to the bound, the
+    rest spill, and neither worker runs more than 1.5x its share."""
+
+    async def test(router: Router) -> None:
+        for _ in range(40):
+            router.pick("m", key=key("hot")).in_flight += 1
+        loads = sorted(w.in_flight for w in router.workers)
+        assert loads[0] > 0 and loads[1] <= 1.5 * 40 / 2, loads
+        assert outcomes(router)["spill"] > 0
 
     run(test)
 
