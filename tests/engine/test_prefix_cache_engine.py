@@ -13,7 +13,8 @@ with the cache off. With the cache on:
 - a pool small enough to evict cached prefixes: still exact;
 - a request sharing cached blocks that fails in the forward pass or is aborted mid-prefill
   leaves the others exact and nothing owned;
-- the draft model's own pool finds cached blocks too (it caches under the target's hashes).
+- the draft model's own pool finds cached blocks too (it caches under the target's hashes);
+- a continuation (failover, resume) finds its prompt and tokens so far cached, and goes on exactly.
 """
 
 from __future__ import annotations
@@ -217,4 +218,27 @@ def test_a_request_sharing_blocks_that_fails_or_is_aborted_disturbs_nothing(work
             outs[o.request_id] = o
     assert all(outs[f"{rid}c"].outputs[0].token_ids == ref[rid] for rid, *_ in first)
     assert all(outs[f"{rid}c"].num_cached_tokens > 0 for rid, *_ in first)
+    engine.check_idle_invariants()
+
+
+def test_a_continuation_finds_its_prompt_and_tokens_so_far_cached(workload):
+    """A failover or resume resubmission (prompt + the tokens so far as its continuation) landing
+    on the worker that ran the request computes only what is not cached, and goes on exactly."""
+    reqs, ref = workload
+    rid, prompt, params, _ = next(r for r in reqs if len(ref[r[0]]) >= 20)
+    engine = LLMEngine(_config(num_kv_blocks=128))
+    engine.add_request(rid, prompt, params)
+    run_together([], engine)
+    before = engine.prefix_cache_stats.hits
+    cut = 18
+    engine.add_request("again", prompt, params, continuation=ref[rid][:cut])
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step().finished:
+            out[o.request_id] = o
+    bs = engine.config.block_size
+    hit = engine.prefix_cache_stats.hits - before
+    assert hit == ((len(prompt) + cut - 1) // bs) * bs > len(prompt) - bs  # the prompt and the tokens so far
+    assert out["again"].outputs[0].token_ids == ref[rid]
+    assert out["again"].num_cached_tokens == min(hit, len(prompt))
     engine.check_idle_invariants()
