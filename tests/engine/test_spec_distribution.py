@@ -5,7 +5,7 @@ their LM heads scaled up so that p and q are peaked and differ) are saved as Hug
 checkpoints. For every one of the 4^4 continuations of 4 tokens the exact probability under
 the target is computed with transformers (an independent implementation), shaped by the
 request's temperature / top-k. The engine then samples 6000 continuations with the draft
-proposer (k = 3), with n-gram lookup, with random EAGLE and Medusa heads for the target
+proposer (k = 3), with n-gram lookup, with the suffix cache (unseeded), with random EAGLE and Medusa heads for the target
 (k = 3), and without speculation, and a chi-square goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
 (seeds 1000, 1001, ...: speculation verifies them by Gumbel coupling, so the sample is
 across seeds) or, in the "-unseeded" cases, not (random seeds; rejection sampling).
@@ -175,6 +175,9 @@ SPEC = {
     ),
     "draft-k3-unseeded": dict(
         speculative_method="draft", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
+    ),
+    "suffix-k3-unseeded": dict(
+        speculative_method="suffix", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
     ),
     "ngram-k3-unseeded": dict(
         speculative_method="ngram",

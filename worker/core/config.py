@@ -9,7 +9,7 @@ from pathlib import Path
 from draftwise.worker.paths import is_model_name
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
-SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa")
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -42,12 +42,13 @@ class EngineConfig:
         None  # draft checkpoint folder, or "default": the embedded draft; eagle/medusa: a head folder (None: the head shipped for the target)
     )
     speculative_method: str | None = (
-        None  # "draft" | "ngram" | "eagle" | "medusa"; None: "draft" when speculative_model is set
+        None  # "draft" | "ngram" | "eagle" | "medusa" | "suffix"; None: "draft" when speculative_model is set
     )
     num_speculative_tokens: int | None = None  # most tokens drafted per request per step; None: 5
     speculative_adaptive: bool = True  # the policy picks k <= num_speculative_tokens; False: always exactly that
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched; None: 1
     prompt_lookup_max: int | None = None  # ngram: longest suffix tried first; None: 4
+    suffix_cache_max_tokens: int | None = None  # suffix: tokens of earlier outputs kept, all tenants; None: 200000
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
@@ -74,8 +75,10 @@ class EngineConfig:
         method = self.speculative_method
         if method is not None and method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
-        if method == "ngram" and self.speculative_model is not None:
-            raise ValueError("speculative_method='ngram' needs no draft checkpoint: leave speculative_model unset")
+        if method in ("ngram", "suffix") and self.speculative_model is not None:
+            raise ValueError(f"speculative_method={method!r} needs no draft checkpoint: leave speculative_model unset")
+        if self.suffix_cache_max_tokens is not None and (method != "suffix" or self.suffix_cache_max_tokens < 1):
+            raise ValueError("suffix_cache_max_tokens must be >= 1 and applies to speculative_method='suffix' only")
         if method == "draft" and self.speculative_model is None:
             raise ValueError("speculative_method='draft' needs speculative_model (a checkpoint folder, or 'default')")
         if self.speculative_model is not None and not str(self.speculative_model):
@@ -105,7 +108,7 @@ class EngineConfig:
 
     @property
     def spec_method(self) -> str | None:
-        """The speculative method in effect: "draft", "ngram", "eagle", "medusa" or None (no speculation)."""
+        """The speculative method in effect: "draft", "ngram", "eagle", "medusa", "suffix" or None (no speculation)."""
         if self.speculative_method is not None:
             return self.speculative_method
         return "draft" if self.speculative_model is not None else None

@@ -94,7 +94,7 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         if eng.spec_method is not None:
             md.append((SPEC_METHOD_KEY, eng.spec_method))
             md.append((SPEC_TOKENS_KEY, str(cfg.spec_k)))
-            if eng.spec_method != "ngram":  # a named drafter: a draft model, an EAGLE or Medusa head
+            if eng.spec_method not in ("ngram", "suffix"):  # a named drafter: a draft model, an EAGLE or Medusa head
                 head = getattr(getattr(eng.spec, "proposer", None), "head", None)  # the loaded head, if any
                 folder = getattr(head, "folder", None)
                 md.append((DRAFT_MODEL_KEY, draft_model_name(cfg.speculative_model, eng.spec_method, folder)))

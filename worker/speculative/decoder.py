@@ -43,6 +43,7 @@ from draftwise.worker.speculative.ngram import NgramProposer
 from draftwise.worker.speculative.policy import CostModel, PolicyConfig, RequestSpecState, SpeculationPolicy
 from draftwise.worker.speculative.proposer import Observed, Proposer
 from draftwise.worker.speculative.rejection_sampler import rejection_sample
+from draftwise.worker.speculative.suffix import DEFAULT_MAX_TOKENS, SuffixProposer
 
 if TYPE_CHECKING:
     from draftwise.worker.core.scheduler import ScheduledRequest
@@ -98,7 +99,7 @@ class SpecDecoder:
         k = config.spec_k
         # n-gram lookup costs next to nothing, and its matches come and go with the text (a copy
         # resumes after an edit): a request it switched off is probed again sooner
-        probe_after = 8 if self.method == "ngram" else PolicyConfig.probe_after
+        probe_after = 8 if self.method in ("ngram", "suffix") else PolicyConfig.probe_after
         self.policy = SpeculationPolicy(
             PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after), CostModel()
         )
@@ -126,6 +127,8 @@ class SpecDecoder:
                 proposer = EagleProposer(draft, target.model, vocab, num_blocks, config.block_size)
             else:
                 proposer = MedusaProposer(draft, target.model, vocab)
+        elif config.spec_method == "suffix":
+            proposer = SuffixProposer(config.suffix_cache_max_tokens or DEFAULT_MAX_TOKENS)
         elif draft is not None:
             proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab, config.enable_prefix_caching)
         else:
