@@ -1,0 +1,153 @@
+"""The suffix proposer (``speculative_method="suffix"``) against plain decoding and n-gram lookup,
+in-process, greedy, float32 on CPU; every ratio from measurements of the same run.
+
+Two workloads of token-id prompts cut from held-out text (files the embedded models never
+trained on; ``benchlib.heldout_prompts``):
+
+- ``agent``: what an agent loop sends: 8 snippets (48-96 tokens), each asked about again and
+  again (48 requests, each a snippet after a distinct 8-32-token preamble of its own, in a
+  fixed shuffled order): later answers repeat earlier ones, which only a cache across requests
+  can draft (prompt lookup sees one request);
+- ``novel``: 48 distinct prompts (48-96 tokens): nothing to find but the request's own tokens,
+  where the suffix proposer must cost nothing (goal: >= 0.95x plain).
+
+For each workload and concurrency C (closed loop: C requests in the engine, the next added when
+one finishes) every method runs ``--repeats`` times in turned order, each keeping its fastest
+run; the suffix cache is emptied before every run, so each run starts cold and fills as it goes.
+Reported: output tokens/s, the ratio against plain, mean accepted length, acceptance rate.
+
+    python bench/bench_suffix.py [--model MODEL] [--concurrency 1,16] [--max-tokens 64] [--repeats 2] [--threads 2]
+
+Results: docs/benchmarks.md (section ``suffix``, or ``suffix-<model>``) and bench/results/suffix[_<model>].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_heads import accept_stats, closed_loop  # noqa: E402
+from benchlib import (  # noqa: E402
+    MODEL_HELP,
+    heldout_prompts,
+    is_default_model,
+    machine,
+    model_slug,
+    save_results,
+    write_section,
+)
+
+from draftwise.logs import configure_logging  # noqa: E402
+from draftwise.worker import LLM, SamplingParams  # noqa: E402
+from draftwise.worker.speculative.suffix import SuffixCache  # noqa: E402
+
+METHODS = {"plain": {}, "ngram": {"speculative_method": "ngram"}, "suffix": {"speculative_method": "suffix"}}
+
+
+def workloads(llm: LLM, n: int, seed: int) -> dict[str, list[dict]]:
+    tok = llm.engine.tokenizer
+    rng = random.Random(seed)
+    snippets = heldout_prompts(tok, 8, (48, 96), seed)
+    preambles = heldout_prompts(tok, n, (8, 32), seed + 1)
+    agent = [{"ids": pre + rng.choice(snippets)[1:], "stops": ()} for pre in preambles]
+    novel = [{"ids": ids, "stops": ()} for ids in heldout_prompts(tok, n, (48, 96), seed + 2)]
+    return {"agent": agent, "novel": novel}
+
+
+def run(llm: LLM, prompts: list[dict], concurrency: int, max_tokens: int) -> tuple[float, list]:
+    spec = llm.engine.spec
+    if spec is not None and hasattr(spec.proposer, "cache"):
+        spec.proposer.cache = SuffixCache(spec.proposer.cache.max_tokens)  # type: ignore[attr-defined]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
+    seconds, outs = closed_loop(llm, list(enumerate(prompts)), params, concurrency)
+    return seconds, [o for _, o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-publish", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    configure_logging("warning")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    base = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": max(levels), "num_kv_blocks": 2048}
+    if args.model and not is_default_model(args.model):
+        base["model"] = args.model
+    llms = {m: LLM(**base, **spec) for m, spec in METHODS.items()}
+    loads = workloads(llms["plain"], args.requests, 7)
+    for llm in llms.values():  # warm up (first calls allocate and compile)
+        run(llm, loads["novel"][:4], 2, 8)
+    rows = []
+    for name, prompts in loads.items():
+        for c in levels:
+            best: dict[str, tuple[float, list]] = {}
+            order = list(METHODS)
+            for r in range(args.repeats):
+                for m in order[r % len(order) :] + order[: r % len(order)]:
+                    s, outs = run(llms[m], prompts, c, args.max_tokens)
+                    if m not in best or s < best[m][0]:
+                        best[m] = (s, outs)
+            ref_tokens = [o.outputs[0].token_ids for o in best["plain"][1]]
+            plain_tps = sum(len(t) for t in ref_tokens) / best["plain"][0]
+            for m, (s, outs) in best.items():
+                st = accept_stats(outs)
+                same = sum(o.outputs[0].token_ids == t for o, t in zip(outs, ref_tokens, strict=True))
+                tps = st["output_tokens"] / s
+                rows.append(
+                    {"workload": name, "concurrency": c, "method": m, "tokens_per_s": tps, "ratio": tps / plain_tps}
+                    | {k: st[k] for k in ("mean_accepted_length", "acceptance_rate")}
+                    | {"equal_to_plain": f"{same}/{len(outs)}"}
+                )
+                print(rows[-1], flush=True)
+    result = {"command": "python bench/bench_suffix.py " + shlex.join(sys.argv[1:]), "machine": machine(), "rows": rows}
+    body = render(result, args)
+    print(body)
+    if not args.no_publish:
+        slug = model_slug(args.model)
+        save_results("suffix" + (f"_{slug}" if slug else ""), result)
+        write_section("suffix" + (f"-{slug}" if slug else ""), body)
+
+
+def render(r: dict, args: argparse.Namespace) -> str:
+    lines = [
+        '## Suffix decoding (speculative_method="suffix")',
+        "",
+        f"Command: `{r['command']}` — {time.strftime('%Y-%m-%d')}, {r['machine']}",
+        "",
+        f"In-process `LLM`, greedy, {args.max_tokens} new tokens, {args.requests} requests per workload, closed loop;"
+        f" each method's fastest of {args.repeats} runs in turned order, the suffix cache emptied before each run."
+        " `agent`: 8 held-out snippets asked about again and again behind distinct preambles (later answers repeat"
+        " earlier ones); `novel`: distinct held-out prompts (nothing to find across requests). See bench/bench_suffix.py.",
+        "",
+        "| workload | concurrency | method | output tok/s | vs plain | mean accepted length | acceptance | outputs equal to plain |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for x in r["rows"]:
+        lines.append(
+            f"| {x['workload']} | {x['concurrency']} | {x['method']} | {x['tokens_per_s']:.1f} | {x['ratio']:.2f}x |"
+            f" {x['mean_accepted_length']:.2f} | {x['acceptance_rate']:.2f} | {x['equal_to_plain']} |"
+        )
+    goals = {(x["workload"], x["concurrency"]): x["ratio"] for x in r["rows"] if x["method"] == "suffix"}
+    lines.append("")
+    for (w, c), ratio in sorted(goals.items()):
+        goal = 0.95 if w == "novel" else (2.0 if c == 1 else 1.3)
+        verdict = "met" if ratio >= goal else "**NOT met**"
+        lines.append(f"- suffix, {w}, concurrency {c}: {ratio:.2f}x plain (goal >= {goal}x): {verdict}.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
