@@ -15,9 +15,9 @@ import grpc
 MAX_MODEL_LEN_KEY = "draftwise-max-model-len"
 """The worker's context length (prompt + output tokens of one request)."""
 SPEC_METHOD_KEY = "draftwise-speculative-method"
-""""draft" or "ngram"; absent when the worker does not speculate."""
+""""draft", "ngram", "eagle", "medusa" or "suffix"; absent when the worker does not speculate."""
 DRAFT_MODEL_KEY = "draftwise-draft-model"
-"""The draft model's name, with speculative method "draft"."""
+"""The drafter's name, with speculative method "draft" (the draft model), "eagle" or "medusa" (the head)."""
 SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"
 """The most tokens drafted per request per step."""
 

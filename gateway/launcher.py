@@ -241,7 +241,7 @@ async def serve(cfg: ServeConfig, out: TextIO | None = None) -> int:
 
 def speculation_note(router: object) -> str:
     """``, speculative decoding: draft <model> k<=N`` (``eagle <head> k<=N``, ``medusa <head> k<=N``,
-    ``ngram k<=N``) for the serving line; empty when no model is served with speculation."""
+    ``ngram k<=N``, ``suffix k<=N``) for the serving line; empty when no model is served with speculation."""
     parts = []
     for w in router.model_infos().values():  # type: ignore[attr-defined]
         if w.speculative_method:

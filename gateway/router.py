@@ -72,8 +72,9 @@ class WorkerHandle:
     healthy: bool = False
     model: str = ""
     max_model_len: int = 0
-    speculative_method: str = ""  # "draft" | "ngram" | "eagle" | "medusa" | "" (none), from GetLoad's trailing metadata
-    draft_model: str = ""  # the draft model's or EAGLE/Medusa head's name; "" for ngram or none
+    # "draft" | "ngram" | "eagle" | "medusa" | "suffix" | "" (none), from GetLoad's trailing metadata
+    speculative_method: str = ""
+    draft_model: str = ""  # the draft model's or EAGLE/Medusa head's name; "" for ngram, suffix or none
     num_speculative_tokens: int = 0
     load: wpb.GetLoadResponse = field(default_factory=wpb.GetLoadResponse)
     in_flight: int = 0  # this gateway's requests on it

@@ -162,6 +162,7 @@ _SPEC_METHODS = {
     "ngram": gspb.SPECULATIVE_METHOD_NGRAM,
     "eagle": gspb.SPECULATIVE_METHOD_EAGLE,
     "medusa": gspb.SPECULATIVE_METHOD_MEDUSA,
+    "suffix": gspb.SPECULATIVE_METHOD_SUFFIX,
 }
 """The worker's speculative method (GetLoad metadata) -> ModelInfo.speculative_method."""
 _NAMED_DRAFTER = {gspb.SPECULATIVE_METHOD_DRAFT_MODEL, gspb.SPECULATIVE_METHOD_EAGLE, gspb.SPECULATIVE_METHOD_MEDUSA}

@@ -295,15 +295,23 @@ def test_list_models_reports_the_head(method, model, head_folder, name, enum):
     assert (client_info.speculative_method, client_info.draft_model) == (method, name)
 
 
-def test_list_models_without_a_named_drafter():
-    ngram = _listed("ngram", None, None, k=3)
-    assert (ngram.has_draft, ngram.speculative_method, ngram.draft_model, ngram.num_speculative_tokens) == (
+@pytest.mark.parametrize(
+    ("method", "enum"), [("ngram", gspb.SPECULATIVE_METHOD_NGRAM), ("suffix", gspb.SPECULATIVE_METHOD_SUFFIX)]
+)
+def test_list_models_without_a_named_drafter(method, enum):
+    info = _listed(method, None, None, k=3)
+    assert (info.has_draft, info.speculative_method, info.draft_model, info.num_speculative_tokens) == (
         True,
-        gspb.SPECULATIVE_METHOD_NGRAM,
+        enum,
         "",
         3,
     )
-    stale = WorkerHandle("w", "127.0.0.1:1", None, None, None, max_model_len=64, speculative_method="ngram")
+    sys.path.insert(0, str(CLIENT_DIR))
+    from draftwise_client import ModelInfo
+
+    client_info = ModelInfo.from_proto(info)
+    assert (client_info.has_draft, client_info.speculative_method, client_info.draft_model) == (True, method, "")
+    stale = WorkerHandle("w", "127.0.0.1:1", None, None, None, max_model_len=64, speculative_method=method)
     stale.draft_model = "leftover"  # a name never goes out with a method that has none
     assert _model_info("m", stale).draft_model == ""
     for method in ("", "some-future-method"):  # none, or one this gateway does not know: no speculation
@@ -442,7 +450,7 @@ def test_ngram_server(tmp_path, reference_llm):
         ),
         (
             ["--speculative-method=lookahead"],
-            "--speculative-method must be one of draft, ngram, eagle, medusa, got 'lookahead'",
+            "--speculative-method must be one of draft, ngram, eagle, medusa, suffix, got 'lookahead'",
         ),
         (["--speculative-model=default", "--prompt-lookup-max=3"], "--prompt-lookup-min/max apply to"),
         (["--speculative-model=/no/such/draft"], "--speculative-model /no/such/draft: no such file or folder"),

@@ -303,6 +303,7 @@ def test_unary_responses_round_trip(pb):
         ("SPECULATIVE_METHOD_NGRAM", 2),
         ("SPECULATIVE_METHOD_EAGLE", 3),
         ("SPECULATIVE_METHOD_MEDUSA", 4),
+        ("SPECULATIVE_METHOD_SUFFIX", 5),
     ]
     _round_trip(
         worker.GetLoadResponse(

@@ -137,8 +137,8 @@ class ModelInfo:
     name: str
     max_model_len: int
     has_draft: bool = False
-    speculative_method: str = ""  # "draft" | "ngram" | "eagle" | "medusa" | "" (none)
-    draft_model: str = ""  # the draft model's or EAGLE/Medusa head's name; "" for ngram or none
+    speculative_method: str = ""  # "draft" | "ngram" | "eagle" | "medusa" | "suffix" | "" (none)
+    draft_model: str = ""  # the draft model's or EAGLE/Medusa head's name; "" for ngram, suffix or none
     num_speculative_tokens: int = 0
 
     @classmethod
@@ -148,6 +148,7 @@ class ModelInfo:
             gspb.SPECULATIVE_METHOD_NGRAM: "ngram",
             gspb.SPECULATIVE_METHOD_EAGLE: "eagle",
             gspb.SPECULATIVE_METHOD_MEDUSA: "medusa",
+            gspb.SPECULATIVE_METHOD_SUFFIX: "suffix",
         }
         return cls(
             m.name,

@@ -15,11 +15,13 @@ class SpeculativeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATIVE_METHOD_NGRAM: _ClassVar[SpeculativeMethod]
     SPECULATIVE_METHOD_EAGLE: _ClassVar[SpeculativeMethod]
     SPECULATIVE_METHOD_MEDUSA: _ClassVar[SpeculativeMethod]
+    SPECULATIVE_METHOD_SUFFIX: _ClassVar[SpeculativeMethod]
 SPECULATIVE_METHOD_UNSPECIFIED: SpeculativeMethod
 SPECULATIVE_METHOD_DRAFT_MODEL: SpeculativeMethod
 SPECULATIVE_METHOD_NGRAM: SpeculativeMethod
 SPECULATIVE_METHOD_EAGLE: SpeculativeMethod
 SPECULATIVE_METHOD_MEDUSA: SpeculativeMethod
+SPECULATIVE_METHOD_SUFFIX: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
     __slots__ = ("start", "cancel", "resume")
