@@ -4,8 +4,9 @@ A proposer guesses the next tokens of decoding requests; the target verifies the
 its own forward pass and exact rejection sampling keeps what the target would have sampled
 (docs/engine.md, "Speculative decoding"). Two are built in: a draft model with its own paged
 KV cache (:mod:`draftwise.worker.speculative.draft`) and n-gram prompt lookup
-(:mod:`draftwise.worker.speculative.ngram`), and trained EAGLE and Medusa heads that read the
-target's hidden states (:mod:`draftwise.worker.speculative.hidden`).
+(:mod:`draftwise.worker.speculative.ngram`), suffix decoding over earlier outputs of the same
+tenant (:mod:`draftwise.worker.speculative.suffix`), and trained EAGLE and Medusa heads that read
+the target's hidden states (:mod:`draftwise.worker.speculative.hidden`).
 
 Invariants every proposer keeps:
 
@@ -73,7 +74,7 @@ class Proposer(ABC):
     """Proposes draft tokens for decoding requests (see the module docstring's invariants)."""
 
     name: str
-    """``"draft"``, ``"ngram"``, ``"eagle"`` or ``"medusa"``: how ListModels and the logs name the method."""
+    """``"draft"``, ``"ngram"``, ``"eagle"``, ``"medusa"`` or ``"suffix"``: how ListModels and the logs name the method."""
 
     inline_backlog: int = 2
     """The most unread tokens :meth:`propose` reads itself; a request further behind is caught
