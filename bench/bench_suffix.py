@@ -70,6 +70,46 @@ def run(llm: LLM, prompts: list[dict], concurrency: int, max_tokens: int) -> tup
     return seconds, [o for _, o in outs]
 
 
+def lookup_cost(requests: int = 128, context: int = 32_768, steps: int = 20) -> dict:
+    """Host time of one step's lookups for ``requests`` requests of ``context`` tokens each (no
+    model): the suffix proposer (its own index kept incrementally; the first lookup of a request
+    indexes it whole, timed apart) against n-gram prompt lookup, which scans the context."""
+    from draftwise.worker.core.request import Request
+    from draftwise.worker.speculative.ngram import NgramProposer
+    from draftwise.worker.speculative.suffix import SuffixProposer
+
+    rng = random.Random(0)
+    reqs = []
+    for i in range(requests):
+        r = Request(f"c{i}", None, [rng.randrange(8192) for _ in range(context)], SamplingParams(), 64)
+        reqs.append(r)
+    suffix, ngram = SuffixProposer(), NgramProposer(1, 4)
+    t = time.perf_counter()
+    for r in reqs:
+        suffix.plan(r, 5)
+    first = time.perf_counter() - t
+    s_times, n_times = [], []
+    for _ in range(steps):
+        for r in reqs:
+            r.output_token_ids.append(rng.randrange(8192))
+        t = time.perf_counter()
+        for r in reqs:
+            suffix.plan(r, 5)
+        s_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for r in reqs:
+            ngram.plan(r, 5)
+        n_times.append(time.perf_counter() - t)
+    s_ms, n_ms = 1e3 * sorted(s_times)[steps // 2], 1e3 * sorted(n_times)[steps // 2]
+    return {
+        "requests": requests,
+        "context": context,
+        "suffix_ms": s_ms,
+        "ngram_ms": n_ms,
+        "suffix_first_ms": 1e3 * first,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help=MODEL_HELP)
@@ -112,7 +152,14 @@ def main() -> None:
                     | {"equal_to_plain": f"{same}/{len(outs)}"}
                 )
                 print(rows[-1], flush=True)
-    result = {"command": "python bench/bench_suffix.py " + shlex.join(sys.argv[1:]), "machine": machine(), "rows": rows}
+    cost = lookup_cost()
+    print(cost, flush=True)
+    result = {
+        "command": "python bench/bench_suffix.py " + shlex.join(sys.argv[1:]),
+        "machine": machine(),
+        "rows": rows,
+        "lookup_cost": cost,
+    }
     body = render(result, args)
     print(body)
     if not args.no_publish:
@@ -140,6 +187,14 @@ def render(r: dict, args: argparse.Namespace) -> str:
             f"| {x['workload']} | {x['concurrency']} | {x['method']} | {x['tokens_per_s']:.1f} | {x['ratio']:.2f}x |"
             f" {x['mean_accepted_length']:.2f} | {x['acceptance_rate']:.2f} | {x['equal_to_plain']} |"
         )
+    c = r["lookup_cost"]
+    lines += [
+        "",
+        f"Host cost of one step's lookups, {c['requests']} requests of {c['context']} tokens (no model, median of 20"
+        f" steps): suffix **{c['suffix_ms']:.2f} ms**, n-gram prompt lookup {c['ngram_ms']:.1f} ms"
+        f" ({c['ngram_ms'] / c['suffix_ms']:.0f}x); the suffix proposer's first lookup of those requests (indexing"
+        f" their contexts whole, once): {c['suffix_first_ms']:.0f} ms.",
+    ]
     goals = {(x["workload"], x["concurrency"]): x["ratio"] for x in r["rows"] if x["method"] == "suffix"}
     lines.append("")
     for (w, c), ratio in sorted(goals.items()):
