@@ -28,39 +28,29 @@ from draftwise.worker.speculative.proposer import Proposal, Proposer
 if TYPE_CHECKING:
     from draftwise.worker.core.request import Request
 
-__all__ = ["NgramProposer"]
+__all__ = ["LookupProposer", "NgramProposer"]
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class NgramProposer(Proposer):
-    """Prompt lookup: :meth:`lookup` finds up to ``k`` draft tokens in a token list. As a
-    :class:`Proposer`, the lookup runs while scheduling (:meth:`plan`: k is what it found) and
-    :meth:`propose` hands those drafts over."""
+class LookupProposer(Proposer):
+    """A draftless proposer whose drafts are found by a lookup (:meth:`find`) while scheduling
+    (:meth:`plan`: k is what it found) and handed over by :meth:`propose`, q one-hot."""
 
-    name = "ngram"
-
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
-        if not _is_int(prompt_lookup_min) or prompt_lookup_min < 1:
-            raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {prompt_lookup_min!r}")
-        if not _is_int(prompt_lookup_max) or prompt_lookup_max < prompt_lookup_min:
-            raise ValueError(
-                f"prompt_lookup_max must be an integer >= prompt_lookup_min ({prompt_lookup_min}), "
-                f"got {prompt_lookup_max!r}"
-            )
-        self.prompt_lookup_min = prompt_lookup_min
-        """Shortest suffix that may be matched."""
-        self.prompt_lookup_max = prompt_lookup_max
-        """Longest suffix tried first."""
+    def __init__(self) -> None:
         self._found: dict[str, list[int]] = {}  # request id -> drafts found by plan, until propose
         self._seconds = 0.0  # lookup time since the last proposal
         self._lookups = 0  # lookups since the last proposal
 
+    def find(self, req: Request, k: int) -> list[int]:
+        """Up to ``k`` drafts for ``req``."""
+        raise NotImplementedError
+
     def plan(self, req: Request, k: int) -> int:
         t0 = time.perf_counter()
-        found = self.lookup(req.all_token_ids, k)
+        found = self.find(req, k)
         self._seconds += time.perf_counter() - t0
         self._lookups += 1
         if found:
@@ -74,7 +64,7 @@ class NgramProposer(Proposer):
         for r, k in zip(reqs, ks, strict=True):
             found = self._found.pop(r.request_id, [])
             if len(found) < k:
-                raise RuntimeError(f"n-gram proposer: {r.request_id} was planned {k} drafts, {len(found)} found")
+                raise RuntimeError(f"{self.name} proposer: {r.request_id} was planned {k} drafts, {len(found)} found")
             drafts.append(found[:k])
         seconds, lookups = self._seconds, self._lookups
         self._seconds, self._lookups = 0.0, 0
@@ -93,7 +83,30 @@ class NgramProposer(Proposer):
 
     def check_idle(self) -> None:
         if self._found:
-            raise AssertionError(f"n-gram drafts kept for requests that are gone: {sorted(self._found)}")
+            raise AssertionError(f"{self.name} drafts kept for requests that are gone: {sorted(self._found)}")
+
+
+class NgramProposer(LookupProposer):
+    """Prompt lookup: :meth:`lookup` finds up to ``k`` draft tokens in a token list."""
+
+    name = "ngram"
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
+        super().__init__()
+        if not _is_int(prompt_lookup_min) or prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {prompt_lookup_min!r}")
+        if not _is_int(prompt_lookup_max) or prompt_lookup_max < prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max must be an integer >= prompt_lookup_min ({prompt_lookup_min}), "
+                f"got {prompt_lookup_max!r}"
+            )
+        self.prompt_lookup_min = prompt_lookup_min
+        """Shortest suffix that may be matched."""
+        self.prompt_lookup_max = prompt_lookup_max
+        """Longest suffix tried first."""
+
+    def find(self, req: Request, k: int) -> list[int]:
+        return self.lookup(req.all_token_ids, k)
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest

@@ -26,14 +26,13 @@ and step whatever the context length:
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from draftwise.worker.core.request import FinishReason
-from draftwise.worker.speculative.proposer import Proposal, Proposer
+from draftwise.worker.speculative.ngram import LookupProposer
 
 if TYPE_CHECKING:
     from draftwise.worker.core.request import Request
@@ -132,19 +131,17 @@ class _Own:
     indexed: int = CONTEXT  # windows ending before this position are in ``last``
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(LookupProposer):
     """Drafts from the suffix cache and the request's own tokens; the lookup runs while
     scheduling (:meth:`plan`: k is what it found), :meth:`propose` hands the drafts over."""
 
     name = "suffix"
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, min_depth: int = 4) -> None:
+        super().__init__()
         self.cache = SuffixCache(max_tokens)
         self.min_depth = min_depth
         self._own: dict[str, _Own] = {}
-        self._found: dict[str, list[int]] = {}
-        self._seconds = 0.0
-        self._lookups = 0
 
     def lookup(self, req: Request, k: int) -> list[int]:
         """Up to ``k`` drafts for ``req`` (see the module doc). Reads only the tokens added
@@ -171,31 +168,12 @@ class SuffixProposer(Proposer):
             depth, drafts = d, cached[pos : pos + min(k, d)]
         return list(drafts) if depth >= self.min_depth else []
 
-    def plan(self, req: Request, k: int) -> int:
-        t0 = time.perf_counter()
-        found = self.lookup(req, k)
-        self._seconds += time.perf_counter() - t0
-        self._lookups += 1
-        if found:
-            self._found[req.request_id] = found
-        else:
-            self._found.pop(req.request_id, None)
-        return len(found)
-
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
-        drafts = []
-        for r, k in zip(reqs, ks, strict=True):
-            found = self._found.pop(r.request_id, [])
-            if len(found) < k:
-                raise RuntimeError(f"suffix proposer: {r.request_id} was planned {k} drafts, {len(found)} found")
-            drafts.append(found[:k])
-        seconds, lookups = self._seconds, self._lookups
-        self._seconds, self._lookups = 0.0, 0
-        return Proposal(drafts, None, seconds, seconds / max(ks), max(lookups, len(reqs)))
+    def find(self, req: Request, k: int) -> list[int]:
+        return self.lookup(req, k)
 
     def release(self, req: Request) -> None:
         """A request that finished normally leaves its output in the cache (its tenant's)."""
-        self._found.pop(req.request_id, None)
+        super().release(req)
         self._own.pop(req.request_id, None)
         if req.is_finished and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and req.output_token_ids:
             self.cache.add(req.cache_salt, req.prompt_token_ids[-PROMPT_TAIL:] + req.output_token_ids)
@@ -213,5 +191,4 @@ class SuffixProposer(Proposer):
 
     def check_idle(self) -> None:
         self.check([])
-        if self._found:
-            raise AssertionError(f"suffix drafts kept for requests that are gone: {sorted(self._found)}")
+        super().check_idle()
