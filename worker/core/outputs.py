@@ -38,6 +38,7 @@ class SpecStats:
     proposed: int  # draft tokens proposed
     accepted: int  # of which the target accepted
     verify_steps: int  # verification rounds (steps that verified at least one draft token)
+    grammar_refused: int = 0  # drafted tokens a constrained request's grammar refused (never verified as kept)
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,6 +61,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     spec: SpecStats | None = None  # speculative decoding counters; None when the request did not speculate
+    constraint_unfinished: bool = False  # finished (by length, a stop string, an abort) before its constraint was complete
 
     @property
     def num_spec_proposed(self) -> int:
@@ -115,6 +117,7 @@ class RequestOutput:
                     finish_reason=None if req.finish_reason is None else req.finish_reason.value,
                     stop_reason=req.stop_reason,
                     spec=spec,
+                    constraint_unfinished=req.constraint_unfinished,
                 )
             ],
             finished=req.is_finished,

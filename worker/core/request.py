@@ -54,6 +54,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    constraint_unfinished: bool = False  # finished before its constraint (SamplingParams.constraint) was complete
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

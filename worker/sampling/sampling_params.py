@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from draftwise.worker.sampling.constraints import Constraint
+
 MAX_LOGPROBS = 20
 """Most top-n log-probabilities a request may ask for per token."""
 
@@ -107,6 +109,10 @@ class SamplingParams:
     """Let the engine speculate for this request when it has a proposer (False: plain decoding)."""
     max_speculative_tokens: int | None = None
     """Cap on the tokens drafted per step for this request, >= 1; None: the engine's num_speculative_tokens."""
+    constraint: Constraint | None = None
+    """What the output must match (a JSON schema, any JSON object, a regex, a grammar, a choice); None: free text.
+    A dict in :meth:`Constraint.to_dict` form is accepted. Not with ignore_eos or min_tokens > 0 (the
+    constraint decides where the output ends)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are stored through this
@@ -163,6 +169,13 @@ class SamplingParams:
                 _check_int("max_speculative_tokens", self.max_speculative_tokens, ">= 1 (or None)", lambda v: v >= 1),
             )
 
+        if self.constraint is not None:
+            set_(self, "constraint", Constraint.from_any(self.constraint))
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a constraint: the constraint decides where the output ends")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a constraint: the constraint decides where the output ends")
+
     @property
     def is_greedy(self) -> bool:
         """True when the next token is the argmax (temperature below 1e-5)."""
@@ -173,6 +186,8 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, Constraint):
+                v = v.to_dict()
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
