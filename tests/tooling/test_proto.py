@@ -141,7 +141,8 @@ def test_services_and_streaming_kinds(pb, service):
 def test_unset_is_distinguishable_from_zero(pb):
     """The server applies vLLM defaults (temperature 1.0, top_p 1.0, max_tokens 16, ...) to unset fields."""
     fields = pb["generation_pb2"].SamplingParams.DESCRIPTOR.fields_by_name
-    with_presence = {name for name, f in fields.items() if f.has_presence}
+    constraint = set(pb["generation_pb2"].SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"].fields)
+    with_presence = {name for name, f in fields.items() if f.has_presence and f not in constraint}
     assert with_presence == {
         "temperature",
         "top_p",
@@ -153,6 +154,43 @@ def test_unset_is_distinguishable_from_zero(pb):
     }
     spec = pb["generation_pb2"].SpeculationOptions.DESCRIPTOR.fields_by_name
     assert spec["enabled"].has_presence and spec["max_speculative_tokens"].has_presence
+
+
+def test_constraint_is_one_oneof(pb):
+    """Structured output: at most one constraint kind per request, numbered as the contract says."""
+    g = pb["generation_pb2"]
+    oneof = g.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"]
+    assert [(f.name, f.number) for f in oneof.fields] == [
+        ("json_schema", 17),
+        ("json_object", 18),
+        ("regex", 19),
+        ("grammar", 20),
+        ("choice", 21),
+    ]
+    sp = _round_trip(g.SamplingParams(json_schema='{"type": "object"}'))
+    assert sp.WhichOneof("constraint") == "json_schema"
+    sp.regex = "[a-z]+"  # setting another kind replaces the first
+    assert _round_trip(sp).WhichOneof("constraint") == "regex" and not sp.json_schema
+    choice = _round_trip(g.SamplingParams(choice=g.ChoiceConstraint(options=["yes", "no"])))
+    assert list(choice.choice.options) == ["yes", "no"]
+    assert _round_trip(g.SamplingParams(json_object=False)).WhichOneof("constraint") == "json_object"
+    assert _round_trip(g.SamplingParams()).WhichOneof("constraint") is None
+
+
+def test_chat_tools_round_trip(pb):
+    g = pb["generation_pb2"]
+    call = g.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    chat = g.ChatMessages(
+        messages=[
+            g.ChatMessage(role="user", content="Weather in Paris?"),
+            g.ChatMessage(role="assistant", tool_calls=[call]),
+            g.ChatMessage(role="tool", content="22 C", tool_call_id="call_1", name="get_weather"),
+        ],
+        tools_json='[{"type": "function", "function": {"name": "get_weather"}}]',
+    )
+    copy = _round_trip(g.Prompt(chat=chat)).chat
+    assert copy.messages[1].tool_calls[0] == call and copy.messages[2].tool_call_id == "call_1"
+    assert copy.tools_json.startswith("[")
 
 
 # --- every message round-trips ----------------------------------------------------------
@@ -226,7 +264,12 @@ def _events(g: ModuleType) -> dict[str, object]:
             g.TokenLogprob(token_id=12, logprob=-2.5, rank=3, top_logprobs=[g.TopLogprob(token_id=9, logprob=-0.5)]),
         ],
         speculation=g.SpeculationStats(
-            proposed_tokens=8, accepted_tokens=6, acceptance_rate=0.75, mean_accepted_length=4.0, verify_steps=2
+            proposed_tokens=8,
+            accepted_tokens=6,
+            acceptance_rate=0.75,
+            mean_accepted_length=4.0,
+            verify_steps=2,
+            grammar_refused_tokens=1,
         ),
     )
     usage = g.Usage(prompt_tokens=7, completion_tokens=16, speculative_proposed_tokens=8, speculative_accepted_tokens=6)
@@ -241,7 +284,8 @@ def _events(g: ModuleType) -> dict[str, object]:
             request_id="r-2", finished=g.Finished(finish_reason=g.FINISH_REASON_STOP, stop_token_id=2)
         ),
         "finished_length": g.GenerationEvent(
-            request_id="r-3", finished=g.Finished(finish_reason=g.FINISH_REASON_LENGTH, usage=usage)
+            request_id="r-3",
+            finished=g.Finished(finish_reason=g.FINISH_REASON_LENGTH, usage=usage, constraint_unfinished=True),
         ),
         "error": g.GenerationEvent(
             request_id="r-4", error=g.RequestError(code=8, message="queue full: retry in a moment")
@@ -258,6 +302,9 @@ def test_response_events_round_trip(pb):
     events = _events(g)
     delta = _round_trip(events["delta"]).delta
     assert delta.first_token_index == 5 and delta.logprobs[1].rank == 3 and delta.speculation.verify_steps == 2
+    assert delta.speculation.grammar_refused_tokens == 1
+    assert _round_trip(events["finished_length"]).finished.constraint_unfinished
+    assert not _round_trip(events["finished"]).finished.constraint_unfinished
     assert _round_trip(events["finished"]).finished.WhichOneof("stop_reason") == "stop_str"
     assert _round_trip(events["finished_token"]).finished.WhichOneof("stop_reason") == "stop_token_id"
     assert _round_trip(events["finished_length"]).finished.WhichOneof("stop_reason") is None

@@ -20,7 +20,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file draftwise/v1/generation.proto.
  */
 export const file_draftwise_v1_generation: GenFile = /*@__PURE__*/
-  fileDesc("Ch1kcmFmdHdpc2UvdjEvZ2VuZXJhdGlvbi5wcm90bxIMZHJhZnR3aXNlLnYxIvcDCg5TYW1wbGluZ1BhcmFtcxIYCgt0ZW1wZXJhdHVyZRgBIAEoAUgAiAEBEhIKBXRvcF9wGAIgASgBSAGIAQESDQoFdG9wX2sYAyABKAUSDQoFbWluX3AYBCABKAESFwoKbWF4X3Rva2VucxgFIAEoDUgCiAEBEhIKCm1pbl90b2tlbnMYBiABKA0SDAoEc3RvcBgHIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgIIAMoDRISCgppZ25vcmVfZW9zGAkgASgIEhEKBHNlZWQYCiABKANIA4gBARIYChBwcmVzZW5jZV9wZW5hbHR5GAsgASgBEhkKEWZyZXF1ZW5jeV9wZW5hbHR5GAwgASgBEh8KEnJlcGV0aXRpb25fcGVuYWx0eRgNIAEoAUgEiAEBEhUKCGxvZ3Byb2JzGA4gASgNSAWIAQESIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgPIAEoCEgGiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBAgASgIQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCDQoLX21heF90b2tlbnNCBwoFX3NlZWRCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUILCglfbG9ncHJvYnNCFgoUX3NraXBfc3BlY2lhbF90b2tlbnMidgoSU3BlY3VsYXRpb25PcHRpb25zEhQKB2VuYWJsZWQYASABKAhIAIgBARIjChZtYXhfc3BlY3VsYXRpdmVfdG9rZW5zGAIgASgNSAGIAQFCCgoIX2VuYWJsZWRCGQoXX21heF9zcGVjdWxhdGl2ZV90b2tlbnMiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNInkKBlByb21wdBIOCgR0ZXh0GAEgASgJSAASKwoJdG9rZW5faWRzGAIgASgLMhYuZHJhZnR3aXNlLnYxLlRva2VuSWRzSAASKgoEY2hhdBgDIAEoCzIaLmRyYWZ0d2lzZS52MS5DaGF0TWVzc2FnZXNIAEIGCgRraW5kIiwKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCSI7CgxDaGF0TWVzc2FnZXMSKwoIbWVzc2FnZXMYASADKAsyGS5kcmFmdHdpc2UudjEuQ2hhdE1lc3NhZ2Ui+gEKD1N0YXJ0R2VuZXJhdGlvbhISCgpyZXF1ZXN0X2lkGAEgASgJEg0KBW1vZGVsGAIgASgJEiQKBnByb21wdBgDIAEoCzIULmRyYWZ0d2lzZS52MS5Qcm9tcHQSNQoPc2FtcGxpbmdfcGFyYW1zGAQgASgLMhwuZHJhZnR3aXNlLnYxLlNhbXBsaW5nUGFyYW1zEjUKC3NwZWN1bGF0aW9uGAUgASgLMiAuZHJhZnR3aXNlLnYxLlNwZWN1bGF0aW9uT3B0aW9ucxIwCgxjb250aW51YXRpb24YBiABKAsyGi5kcmFmdHdpc2UudjEuQ29udGludWF0aW9uIl0KDENvbnRpbnVhdGlvbhIYChBvdXRwdXRfdG9rZW5faWRzGAEgAygNEjMKC3NwZWN1bGF0aW9uGAIgASgLMh4uZHJhZnR3aXNlLnYxLlNwZWN1bGF0aW9uU3RhdHMiJgoQQ2FuY2VsR2VuZXJhdGlvbhISCgpyZXF1ZXN0X2lkGAEgASgJIi8KClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDwoHbG9ncHJvYhgCIAEoAiJvCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDwoHbG9ncHJvYhgCIAEoAhIMCgRyYW5rGAMgASgNEi4KDHRvcF9sb2dwcm9icxgEIAMoCzIYLmRyYWZ0d2lzZS52MS5Ub3BMb2dwcm9iIpEBChBTcGVjdWxhdGlvblN0YXRzEhcKD3Byb3Bvc2VkX3Rva2VucxgBIAEoBBIXCg9hY2NlcHRlZF90b2tlbnMYAiABKAQSFwoPYWNjZXB0YW5jZV9yYXRlGAMgASgBEhwKFG1lYW5fYWNjZXB0ZWRfbGVuZ3RoGAQgASgBEhQKDHZlcmlmeV9zdGVwcxgFIAEoBCLrAQoKVG9rZW5EZWx0YRIRCgl0b2tlbl9pZHMYASADKA0SDAoEdGV4dBgCIAEoCRIZChFmaXJzdF90b2tlbl9pbmRleBgDIAEoDRIsCghsb2dwcm9icxgEIAMoCzIaLmRyYWZ0d2lzZS52MS5Ub2tlbkxvZ3Byb2ISMwoLc3BlY3VsYXRpb24YBSABKAsyHi5kcmFmdHdpc2UudjEuU3BlY3VsYXRpb25TdGF0cxIVCg1yZXN1bWVfaGFuZGxlGAggASgJEhUKDXByb21wdF90b2tlbnMYBiABKA0SEAoIcXVldWVfbXMYByABKAEioQEKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SIwobc3BlY3VsYXRpdmVfcHJvcG9zZWRfdG9rZW5zGAMgASgNEiMKG3NwZWN1bGF0aXZlX2FjY2VwdGVkX3Rva2VucxgEIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgFIAEoDSJNCgdUaW1pbmdzEhAKCHF1ZXVlX21zGAEgASgBEh4KFnRpbWVfdG9fZmlyc3RfdG9rZW5fbXMYAiABKAESEAoIdG90YWxfbXMYAyABKAEixQEKCEZpbmlzaGVkEjEKDWZpbmlzaF9yZWFzb24YASABKA4yGi5kcmFmdHdpc2UudjEuRmluaXNoUmVhc29uEhIKCHN0b3Bfc3RyGAIgASgJSAASFwoNc3RvcF90b2tlbl9pZBgDIAEoDUgAEiIKBXVzYWdlGAQgASgLMhMuZHJhZnR3aXNlLnYxLlVzYWdlEiYKB3RpbWluZ3MYBSABKAsyFS5kcmFmdHdpc2UudjEuVGltaW5nc0INCgtzdG9wX3JlYXNvbiJFCgxSZXF1ZXN0RXJyb3ISDAoEY29kZRgBIAEoBRIPCgdtZXNzYWdlGAIgASgJEhYKDnJldHJ5X2FmdGVyX21zGAMgASgNIrEBCg9HZW5lcmF0aW9uRXZlbnQSEgoKcmVxdWVzdF9pZBgBIAEoCRIpCgVkZWx0YRgCIAEoCzIYLmRyYWZ0d2lzZS52MS5Ub2tlbkRlbHRhSAASKgoIZmluaXNoZWQYAyABKAsyFi5kcmFmdHdpc2UudjEuRmluaXNoZWRIABIrCgVlcnJvchgEIAEoCzIaLmRyYWZ0d2lzZS52MS5SZXF1ZXN0RXJyb3JIAEIGCgRraW5kKngKDEZpbmlzaFJlYXNvbhIdChlGSU5JU0hfUkVBU09OX1VOU1BFQ0lGSUVEEAASFgoSRklOSVNIX1JFQVNPTl9TVE9QEAESGAoURklOSVNIX1JFQVNPTl9MRU5HVEgQAhIXChNGSU5JU0hfUkVBU09OX0FCT1JUEANCdwoQY29tLmRyYWZ0d2lzZS52MUIPR2VuZXJhdGlvblByb3RvUAFaQWdpdGh1Yi5jb20vZHJhZnR3aXNlL2RyYWZ0d2lzZS9jbGllbnRzL2dvL2RyYWZ0d2lzZXYxO2RyYWZ0d2lzZXYxqgIMRHJhZnR3aXNlLlYxYgZwcm90bzM");
+  fileDesc("Ch1kcmFmdHdpc2UvdjEvZ2VuZXJhdGlvbi5wcm90bxIMZHJhZnR3aXNlLnYxIokFCg5TYW1wbGluZ1BhcmFtcxIYCgt0ZW1wZXJhdHVyZRgBIAEoAUgBiAEBEhIKBXRvcF9wGAIgASgBSAKIAQESDQoFdG9wX2sYAyABKAUSDQoFbWluX3AYBCABKAESFwoKbWF4X3Rva2VucxgFIAEoDUgDiAEBEhIKCm1pbl90b2tlbnMYBiABKA0SDAoEc3RvcBgHIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgIIAMoDRISCgppZ25vcmVfZW9zGAkgASgIEhEKBHNlZWQYCiABKANIBIgBARIYChBwcmVzZW5jZV9wZW5hbHR5GAsgASgBEhkKEWZyZXF1ZW5jeV9wZW5hbHR5GAwgASgBEh8KEnJlcGV0aXRpb25fcGVuYWx0eRgNIAEoAUgFiAEBEhUKCGxvZ3Byb2JzGA4gASgNSAaIAQESIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgPIAEoCEgHiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBAgASgIEhUKC2pzb25fc2NoZW1hGBEgASgJSAASFQoLanNvbl9vYmplY3QYEiABKAhIABIPCgVyZWdleBgTIAEoCUgAEhEKB2dyYW1tYXIYFCABKAlIABIwCgZjaG9pY2UYFSABKAsyHi5kcmFmdHdpc2UudjEuQ2hvaWNlQ29uc3RyYWludEgAQgwKCmNvbnN0cmFpbnRCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEINCgtfbWF4X3Rva2Vuc0IHCgVfc2VlZEIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QgsKCV9sb2dwcm9ic0IWChRfc2tpcF9zcGVjaWFsX3Rva2VucyIjChBDaG9pY2VDb25zdHJhaW50Eg8KB29wdGlvbnMYASADKAkidgoSU3BlY3VsYXRpb25PcHRpb25zEhQKB2VuYWJsZWQYASABKAhIAIgBARIjChZtYXhfc3BlY3VsYXRpdmVfdG9rZW5zGAIgASgNSAGIAQFCCgoIX2VuYWJsZWRCGQoXX21heF9zcGVjdWxhdGl2ZV90b2tlbnMiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNInkKBlByb21wdBIOCgR0ZXh0GAEgASgJSAASKwoJdG9rZW5faWRzGAIgASgLMhYuZHJhZnR3aXNlLnYxLlRva2VuSWRzSAASKgoEY2hhdBgDIAEoCzIaLmRyYWZ0d2lzZS52MS5DaGF0TWVzc2FnZXNIAEIGCgRraW5kInwKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRIqCgp0b29sX2NhbGxzGAMgAygLMhYuZHJhZnR3aXNlLnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgEIAEoCRIMCgRuYW1lGAUgASgJIjcKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSEQoJYXJndW1lbnRzGAMgASgJIk8KDENoYXRNZXNzYWdlcxIrCghtZXNzYWdlcxgBIAMoCzIZLmRyYWZ0d2lzZS52MS5DaGF0TWVzc2FnZRISCgp0b29sc19qc29uGAIgASgJIvoBCg9TdGFydEdlbmVyYXRpb24SEgoKcmVxdWVzdF9pZBgBIAEoCRINCgVtb2RlbBgCIAEoCRIkCgZwcm9tcHQYAyABKAsyFC5kcmFmdHdpc2UudjEuUHJvbXB0EjUKD3NhbXBsaW5nX3BhcmFtcxgEIAEoCzIcLmRyYWZ0d2lzZS52MS5TYW1wbGluZ1BhcmFtcxI1CgtzcGVjdWxhdGlvbhgFIAEoCzIgLmRyYWZ0d2lzZS52MS5TcGVjdWxhdGlvbk9wdGlvbnMSMAoMY29udGludWF0aW9uGAYgASgLMhouZHJhZnR3aXNlLnYxLkNvbnRpbnVhdGlvbiJdCgxDb250aW51YXRpb24SGAoQb3V0cHV0X3Rva2VuX2lkcxgBIAMoDRIzCgtzcGVjdWxhdGlvbhgCIAEoCzIeLmRyYWZ0d2lzZS52MS5TcGVjdWxhdGlvblN0YXRzIiYKEENhbmNlbEdlbmVyYXRpb24SEgoKcmVxdWVzdF9pZBgBIAEoCSIvCgpUb3BMb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg8KB2xvZ3Byb2IYAiABKAIibwoMVG9rZW5Mb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg8KB2xvZ3Byb2IYAiABKAISDAoEcmFuaxgDIAEoDRIuCgx0b3BfbG9ncHJvYnMYBCADKAsyGC5kcmFmdHdpc2UudjEuVG9wTG9ncHJvYiKxAQoQU3BlY3VsYXRpb25TdGF0cxIXCg9wcm9wb3NlZF90b2tlbnMYASABKAQSFwoPYWNjZXB0ZWRfdG9rZW5zGAIgASgEEhcKD2FjY2VwdGFuY2VfcmF0ZRgDIAEoARIcChRtZWFuX2FjY2VwdGVkX2xlbmd0aBgEIAEoARIUCgx2ZXJpZnlfc3RlcHMYBSABKAQSHgoWZ3JhbW1hcl9yZWZ1c2VkX3Rva2VucxgGIAEoBCLrAQoKVG9rZW5EZWx0YRIRCgl0b2tlbl9pZHMYASADKA0SDAoEdGV4dBgCIAEoCRIZChFmaXJzdF90b2tlbl9pbmRleBgDIAEoDRIsCghsb2dwcm9icxgEIAMoCzIaLmRyYWZ0d2lzZS52MS5Ub2tlbkxvZ3Byb2ISMwoLc3BlY3VsYXRpb24YBSABKAsyHi5kcmFmdHdpc2UudjEuU3BlY3VsYXRpb25TdGF0cxIVCg1yZXN1bWVfaGFuZGxlGAggASgJEhUKDXByb21wdF90b2tlbnMYBiABKA0SEAoIcXVldWVfbXMYByABKAEioQEKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SIwobc3BlY3VsYXRpdmVfcHJvcG9zZWRfdG9rZW5zGAMgASgNEiMKG3NwZWN1bGF0aXZlX2FjY2VwdGVkX3Rva2VucxgEIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgFIAEoDSJNCgdUaW1pbmdzEhAKCHF1ZXVlX21zGAEgASgBEh4KFnRpbWVfdG9fZmlyc3RfdG9rZW5fbXMYAiABKAESEAoIdG90YWxfbXMYAyABKAEi5AEKCEZpbmlzaGVkEjEKDWZpbmlzaF9yZWFzb24YASABKA4yGi5kcmFmdHdpc2UudjEuRmluaXNoUmVhc29uEhIKCHN0b3Bfc3RyGAIgASgJSAASFwoNc3RvcF90b2tlbl9pZBgDIAEoDUgAEiIKBXVzYWdlGAQgASgLMhMuZHJhZnR3aXNlLnYxLlVzYWdlEiYKB3RpbWluZ3MYBSABKAsyFS5kcmFmdHdpc2UudjEuVGltaW5ncxIdChVjb25zdHJhaW50X3VuZmluaXNoZWQYBiABKAhCDQoLc3RvcF9yZWFzb24iRQoMUmVxdWVzdEVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRIWCg5yZXRyeV9hZnRlcl9tcxgDIAEoDSKxAQoPR2VuZXJhdGlvbkV2ZW50EhIKCnJlcXVlc3RfaWQYASABKAkSKQoFZGVsdGEYAiABKAsyGC5kcmFmdHdpc2UudjEuVG9rZW5EZWx0YUgAEioKCGZpbmlzaGVkGAMgASgLMhYuZHJhZnR3aXNlLnYxLkZpbmlzaGVkSAASKwoFZXJyb3IYBCABKAsyGi5kcmFmdHdpc2UudjEuUmVxdWVzdEVycm9ySABCBgoEa2luZCp4CgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADQncKEGNvbS5kcmFmdHdpc2UudjFCD0dlbmVyYXRpb25Qcm90b1ABWkFnaXRodWIuY29tL2RyYWZ0d2lzZS9kcmFmdHdpc2UvY2xpZW50cy9nby9kcmFmdHdpc2V2MTtkcmFmdHdpc2V2MaoCDERyYWZ0d2lzZS5WMWIGcHJvdG8z");
 
 /**
  * How to pick the next tokens of one request. Field names, meanings and defaults are
@@ -143,6 +143,63 @@ export type SamplingParams = Message<"draftwise.v1.SamplingParams"> & {
    * @generated from field: bool include_stop_str_in_output = 16;
    */
   includeStopStrInOutput: boolean;
+
+  /**
+   * Structured output: the output must follow this constraint (grammar-constrained decoding: at
+   * every position, tokens the constraint forbids are masked out before sampling; under
+   * speculative decoding drafted tokens are checked against it too, so the output is the same
+   * as without speculation). Unset: no constraint. At most one kind. The text of a kind is
+   * non-empty and at most 256 KiB. A constraint that is malformed or does not compile is
+   * INVALID_ARGUMENT naming the problem, before the request is queued; a constraint together
+   * with ignore_eos or min_tokens > 0 is INVALID_ARGUMENT (the constraint decides where the
+   * output ends). Generation stops when the constraint is complete (as with EOS); a request
+   * that ends first (max_tokens, a stop string) says so in Finished.constraint_unfinished.
+   *
+   * @generated from oneof draftwise.v1.SamplingParams.constraint
+   */
+  constraint: {
+    /**
+     * A JSON Schema (the text of a JSON object, or `true`/`false`): the output is one JSON
+     * value that validates against it.
+     *
+     * @generated from field: string json_schema = 17;
+     */
+    value: string;
+    case: "jsonSchema";
+  } | {
+    /**
+     * Must be true when set: the output is one JSON object (any keys and values).
+     *
+     * @generated from field: bool json_object = 18;
+     */
+    value: boolean;
+    case: "jsonObject";
+  } | {
+    /**
+     * A regular expression the whole output matches.
+     *
+     * @generated from field: string regex = 19;
+     */
+    value: string;
+    case: "regex";
+  } | {
+    /**
+     * A grammar in EBNF (GBNF, llama.cpp's dialect; the start rule is `root`) the whole
+     * output is a sentence of.
+     *
+     * @generated from field: string grammar = 20;
+     */
+    value: string;
+    case: "grammar";
+  } | {
+    /**
+     * The output is exactly one of the given strings.
+     *
+     * @generated from field: draftwise.v1.ChoiceConstraint choice = 21;
+     */
+    value: ChoiceConstraint;
+    case: "choice";
+  } | { case: undefined; value?: undefined };
 };
 
 /**
@@ -151,6 +208,27 @@ export type SamplingParams = Message<"draftwise.v1.SamplingParams"> & {
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
   messageDesc(file_draftwise_v1_generation, 0);
+
+/**
+ * The strings a constrained output chooses among (SamplingParams.choice).
+ *
+ * @generated from message draftwise.v1.ChoiceConstraint
+ */
+export type ChoiceConstraint = Message<"draftwise.v1.ChoiceConstraint"> & {
+  /**
+   * The options: 1 to 1024 non-empty strings.
+   *
+   * @generated from field: repeated string options = 1;
+   */
+  options: string[];
+};
+
+/**
+ * Describes the message draftwise.v1.ChoiceConstraint.
+ * Use `create(ChoiceConstraintSchema)` to create a new message.
+ */
+export const ChoiceConstraintSchema: GenMessage<ChoiceConstraint> = /*@__PURE__*/
+  messageDesc(file_draftwise_v1_generation, 1);
 
 /**
  * Per-request speculative decoding settings; every field unset means "the model's
@@ -182,7 +260,7 @@ export type SpeculationOptions = Message<"draftwise.v1.SpeculationOptions"> & {
  * Use `create(SpeculationOptionsSchema)` to create a new message.
  */
 export const SpeculationOptionsSchema: GenMessage<SpeculationOptions> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 1);
+  messageDesc(file_draftwise_v1_generation, 2);
 
 /**
  * A prompt given as token ids.
@@ -203,7 +281,7 @@ export type TokenIds = Message<"draftwise.v1.TokenIds"> & {
  * Use `create(TokenIdsSchema)` to create a new message.
  */
 export const TokenIdsSchema: GenMessage<TokenIds> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 2);
+  messageDesc(file_draftwise_v1_generation, 3);
 
 /**
  * The prompt of a request: text (tokenized by the server) or token ids.
@@ -250,7 +328,7 @@ export type Prompt = Message<"draftwise.v1.Prompt"> & {
  * Use `create(PromptSchema)` to create a new message.
  */
 export const PromptSchema: GenMessage<Prompt> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 3);
+  messageDesc(file_draftwise_v1_generation, 4);
 
 /**
  * One message of a conversation.
@@ -259,18 +337,41 @@ export const PromptSchema: GenMessage<Prompt> = /*@__PURE__*/
  */
 export type ChatMessage = Message<"draftwise.v1.ChatMessage"> & {
   /**
-   * Who speaks: "system", "user", "assistant" (or another role the model's template knows).
+   * Who speaks: "system", "user", "assistant", "tool" (or another role the model's template
+   * knows).
    *
    * @generated from field: string role = 1;
    */
   role: string;
 
   /**
-   * The text of the message.
+   * The text of the message. A "tool" message's content is the tool's result (required).
    *
    * @generated from field: string content = 2;
    */
   content: string;
+
+  /**
+   * Tools an "assistant" message called (OpenAI's tool_calls), in order; its content may then
+   * be empty.
+   *
+   * @generated from field: repeated draftwise.v1.ToolCall tool_calls = 3;
+   */
+  toolCalls: ToolCall[];
+
+  /**
+   * On a "tool" message: the id of the ToolCall this message answers.
+   *
+   * @generated from field: string tool_call_id = 4;
+   */
+  toolCallId: string;
+
+  /**
+   * On a "tool" message: the name of the function that produced it (optional).
+   *
+   * @generated from field: string name = 5;
+   */
+  name: string;
 };
 
 /**
@@ -278,7 +379,42 @@ export type ChatMessage = Message<"draftwise.v1.ChatMessage"> & {
  * Use `create(ChatMessageSchema)` to create a new message.
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 4);
+  messageDesc(file_draftwise_v1_generation, 5);
+
+/**
+ * One call of a function tool, as the model wrote it (OpenAI's tool_calls[].function).
+ *
+ * @generated from message draftwise.v1.ToolCall
+ */
+export type ToolCall = Message<"draftwise.v1.ToolCall"> & {
+  /**
+   * The call's id (OpenAI's "call_..."), which the "tool" message answering it repeats.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * The function's name.
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * The arguments, as JSON text (an object).
+   *
+   * @generated from field: string arguments = 3;
+   */
+  arguments: string;
+};
+
+/**
+ * Describes the message draftwise.v1.ToolCall.
+ * Use `create(ToolCallSchema)` to create a new message.
+ */
+export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
+  messageDesc(file_draftwise_v1_generation, 6);
 
 /**
  * A conversation, oldest message first.
@@ -292,6 +428,18 @@ export type ChatMessages = Message<"draftwise.v1.ChatMessages"> & {
    * @generated from field: repeated draftwise.v1.ChatMessage messages = 1;
    */
   messages: ChatMessage[];
+
+  /**
+   * The tools the model may call: a JSON array of OpenAI-style function tools, each
+   * {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}.
+   * The worker renders them into the prompt: through the chat template when it supports tools,
+   * else Hermes-style (a <tools> block in the system message; calls as <tool_call> blocks).
+   * Empty: no tools. Not JSON, not an array, or a tool without a function name is
+   * INVALID_ARGUMENT.
+   *
+   * @generated from field: string tools_json = 2;
+   */
+  toolsJson: string;
 };
 
 /**
@@ -299,7 +447,7 @@ export type ChatMessages = Message<"draftwise.v1.ChatMessages"> & {
  * Use `create(ChatMessagesSchema)` to create a new message.
  */
 export const ChatMessagesSchema: GenMessage<ChatMessages> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 5);
+  messageDesc(file_draftwise_v1_generation, 7);
 
 /**
  * Everything needed to start one generation.
@@ -362,7 +510,7 @@ export type StartGeneration = Message<"draftwise.v1.StartGeneration"> & {
  * Use `create(StartGenerationSchema)` to create a new message.
  */
 export const StartGenerationSchema: GenMessage<StartGeneration> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 6);
+  messageDesc(file_draftwise_v1_generation, 8);
 
 /**
  * The output a request already has, to go on from. The tokens count as the request's first
@@ -395,7 +543,7 @@ export type Continuation = Message<"draftwise.v1.Continuation"> & {
  * Use `create(ContinuationSchema)` to create a new message.
  */
 export const ContinuationSchema: GenMessage<Continuation> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 7);
+  messageDesc(file_draftwise_v1_generation, 9);
 
 /**
  * Asks the server to stop one in-flight request.
@@ -416,7 +564,7 @@ export type CancelGeneration = Message<"draftwise.v1.CancelGeneration"> & {
  * Use `create(CancelGenerationSchema)` to create a new message.
  */
 export const CancelGenerationSchema: GenMessage<CancelGeneration> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 8);
+  messageDesc(file_draftwise_v1_generation, 10);
 
 /**
  * Log-probability of one alternative token at a position.
@@ -444,7 +592,7 @@ export type TopLogprob = Message<"draftwise.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 9);
+  messageDesc(file_draftwise_v1_generation, 11);
 
 /**
  * Log-probabilities around one sampled token.
@@ -486,7 +634,7 @@ export type TokenLogprob = Message<"draftwise.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 10);
+  messageDesc(file_draftwise_v1_generation, 12);
 
 /**
  * Speculative decoding counters of one request so far (cumulative, not per delta).
@@ -529,6 +677,14 @@ export type SpeculationStats = Message<"draftwise.v1.SpeculationStats"> & {
    * @generated from field: uint64 verify_steps = 5;
    */
   verifySteps: bigint;
+
+  /**
+   * Of the proposed tokens, those a constrained request's grammar refused (each ended its draft
+   * there, unverified); 0 without a constraint.
+   *
+   * @generated from field: uint64 grammar_refused_tokens = 6;
+   */
+  grammarRefusedTokens: bigint;
 };
 
 /**
@@ -536,7 +692,7 @@ export type SpeculationStats = Message<"draftwise.v1.SpeculationStats"> & {
  * Use `create(SpeculationStatsSchema)` to create a new message.
  */
 export const SpeculationStatsSchema: GenMessage<SpeculationStats> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 11);
+  messageDesc(file_draftwise_v1_generation, 13);
 
 /**
  * New output tokens of one request.
@@ -613,7 +769,7 @@ export type TokenDelta = Message<"draftwise.v1.TokenDelta"> & {
  * Use `create(TokenDeltaSchema)` to create a new message.
  */
 export const TokenDeltaSchema: GenMessage<TokenDelta> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 12);
+  messageDesc(file_draftwise_v1_generation, 14);
 
 /**
  * Token counts of one request.
@@ -664,7 +820,7 @@ export type Usage = Message<"draftwise.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 13);
+  messageDesc(file_draftwise_v1_generation, 15);
 
 /**
  * Where the time of one request went, in milliseconds from its arrival at the worker.
@@ -699,7 +855,7 @@ export type Timings = Message<"draftwise.v1.Timings"> & {
  * Use `create(TimingsSchema)` to create a new message.
  */
 export const TimingsSchema: GenMessage<Timings> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 14);
+  messageDesc(file_draftwise_v1_generation, 16);
 
 /**
  * The normal end of one request (ABORT included): no more events follow for its id.
@@ -750,6 +906,15 @@ export type Finished = Message<"draftwise.v1.Finished"> & {
    * @generated from field: draftwise.v1.Timings timings = 5;
    */
   timings?: Timings | undefined;
+
+  /**
+   * The request had a constraint (SamplingParams.constraint) and ended before it was complete:
+   * max_tokens or the context reached inside a JSON object (finish_reason LENGTH), or a stop
+   * string matched first (STOP). The output then does not parse as the constraint asks.
+   *
+   * @generated from field: bool constraint_unfinished = 6;
+   */
+  constraintUnfinished: boolean;
 };
 
 /**
@@ -757,7 +922,7 @@ export type Finished = Message<"draftwise.v1.Finished"> & {
  * Use `create(FinishedSchema)` to create a new message.
  */
 export const FinishedSchema: GenMessage<Finished> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 15);
+  messageDesc(file_draftwise_v1_generation, 17);
 
 /**
  * The failed end of one request: no more events follow for its id. Sent only on the
@@ -800,7 +965,7 @@ export type RequestError = Message<"draftwise.v1.RequestError"> & {
  * Use `create(RequestErrorSchema)` to create a new message.
  */
 export const RequestErrorSchema: GenMessage<RequestError> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 16);
+  messageDesc(file_draftwise_v1_generation, 18);
 
 /**
  * One event about one request. Per request: zero or more deltas, then exactly one
@@ -853,7 +1018,7 @@ export type GenerationEvent = Message<"draftwise.v1.GenerationEvent"> & {
  * Use `create(GenerationEventSchema)` to create a new message.
  */
 export const GenerationEventSchema: GenMessage<GenerationEvent> = /*@__PURE__*/
-  messageDesc(file_draftwise_v1_generation, 17);
+  messageDesc(file_draftwise_v1_generation, 19);
 
 /**
  * Why a request ended.
