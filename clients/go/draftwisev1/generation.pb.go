@@ -1592,8 +1592,9 @@ type Finished struct {
 	// Timings.
 	Timings *Timings `protobuf:"bytes,5,opt,name=timings,proto3" json:"timings,omitempty"`
 	// The request had a constraint (SamplingParams.constraint) and ended before it was complete:
-	// max_tokens or the context reached inside a JSON object (finish_reason LENGTH), or a stop
-	// string matched first (STOP). The output then does not parse as the constraint asks.
+	// max_tokens or the context reached inside a JSON object (finish_reason LENGTH), a stop
+	// string or stop token id matched first (STOP), or it was cancelled (ABORT). The output then
+	// does not parse as the constraint asks.
 	ConstraintUnfinished bool `protobuf:"varint,6,opt,name=constraint_unfinished,json=constraintUnfinished,proto3" json:"constraint_unfinished,omitempty"`
 }
 

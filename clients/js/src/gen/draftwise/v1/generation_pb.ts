@@ -909,8 +909,9 @@ export type Finished = Message<"draftwise.v1.Finished"> & {
 
   /**
    * The request had a constraint (SamplingParams.constraint) and ended before it was complete:
-   * max_tokens or the context reached inside a JSON object (finish_reason LENGTH), or a stop
-   * string matched first (STOP). The output then does not parse as the constraint asks.
+   * max_tokens or the context reached inside a JSON object (finish_reason LENGTH), a stop
+   * string or stop token id matched first (STOP), or it was cancelled (ABORT). The output then
+   * does not parse as the constraint asks.
    *
    * @generated from field: bool constraint_unfinished = 6;
    */
