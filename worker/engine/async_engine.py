@@ -187,6 +187,8 @@ class AsyncEngine:
             sampling_params = chat.sampling_params(sampling_params, self.engine.eos_token_ids)
         elif isinstance(prompt, str):  # off the engine thread: a long prompt stalls nobody
             ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)
+        if sampling_params is not None and sampling_params.constraint is not None:  # compiled off the engine thread
+            await asyncio.to_thread(self.engine.intake.compile_constraint, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:

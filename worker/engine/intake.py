@@ -13,6 +13,7 @@ from pathlib import Path
 
 from draftwise.worker.core.request import Request
 from draftwise.worker.engine.continuation import check_continuation
+from draftwise.worker.sampling.grammar import GrammarCompiler
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt, ChatTemplate, RenderedChat
 from draftwise.worker.text.tokenizer import Tokenizer
@@ -40,6 +41,17 @@ class Intake:
             # x2: normalizers may shrink text (NFKC), so a token can stand for more input than it decodes to
             self.max_prompt_bytes = max_model_len * max(tokenizer.max_token_bytes(), 4) * 2
         self._seed_rng = random.Random(seed)
+        # constraints (SamplingParams.constraint) compile against the tokenizer's vocabulary
+        self.grammar = None if tokenizer is None else GrammarCompiler(tokenizer.hf, vocab_size, self.eos_token_ids)
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile ``params.constraint`` into the cache (thread-safe: AsyncEngine runs it off the
+        engine thread); ValueError for one that cannot be used."""
+        if params.constraint is None:
+            return
+        if self.grammar is None:
+            raise ValueError("constraints need a tokenizer (the engine runs with skip_tokenizer_init)")
+        self.grammar.compile(params.constraint)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Tokenize a text prompt; ValueError for one that is empty or too long. A prompt whose

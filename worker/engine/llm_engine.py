@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -29,21 +30,24 @@ from draftwise.worker.core.containment import (
 from draftwise.worker.core.outputs import SpecStats, StepOutput
 from draftwise.worker.core.request import FinishReason, Request, RequestStatus
 from draftwise.worker.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from draftwise.worker.engine.constrain import mask_logits
 from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.intake import Intake
+from draftwise.worker.engine.invariants import check_idle, check_running
 from draftwise.worker.engine.sizing import batch_token_budget, capture_graphs, num_kv_blocks, warm_up_kernels
 from draftwise.worker.engine.step_data import StepReport, StepTokens, logit_rows, step_stats
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.paths import resolve_model
+from draftwise.worker.sampling.grammar import Grammars
 from draftwise.worker.sampling.sampler import Sampler
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.speculative.loading import check_speculative_model, load_draft, load_spec_head
 from draftwise.worker.text.chat import ChatPrompt, RenderedChat
-from draftwise.worker.text.output_processor import OutputProcessor
+from draftwise.worker.text.output_processor import Appended, OutputProcessor
 from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("draftwise.engine")
@@ -77,6 +81,7 @@ class LLMEngine:
         self.intake = Intake(tokenizer, folder, mcfg.eos_token_ids, self.max_model_len, mcfg.vocab_size, config.seed)
         self.tokenizer: Tokenizer | None = tokenizer
         self.eos_token_ids = self.intake.eos_token_ids
+        self.grammars = Grammars(self.intake.grammar)  # constrained requests' matchers
 
         max_batched = batch_token_budget(config, self.max_model_len)
         draft = load_draft(config, self.loaded, self.max_model_len) or load_spec_head(config, self.loaded)
@@ -96,20 +101,11 @@ class LLMEngine:
         k = config.max_draft_tokens
         draft_runner = self.proposer.runner if self.proposer is not None else None
         runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
-        self.kernel_warm_up_seconds = warm_up_kernels(
-            runners, config.max_num_seqs, max_batched, self.max_model_len + k + 1
-        )
-        self.graph_capture_seconds = capture_graphs(
-            self.runner, draft_runner, config, max_batched, self.max_model_len, k
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-            self.blocks,
-        )
+        max_len = self.max_model_len
+        self.kernel_warm_up_seconds = warm_up_kernels(runners, config.max_num_seqs, max_batched, max_len + k + 1)
+        self.graph_capture_seconds = capture_graphs(self.runner, draft_runner, config, max_batched, max_len, k)
+        sched_config = SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(sched_config, self.blocks)
         self.sampler = Sampler()
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -178,7 +174,13 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.intake.build(request_id, prompt, params, arrival_time, prompt_token_ids, continuation)
-        self.output.add(request_id, req.prompt_token_ids, params, req.output_token_ids)  # ValueError: touches nothing
+        if params.constraint is not None:  # ValueError: touches nothing
+            self.grammars.add(request_id, params.constraint, params.stop_token_ids, req.output_token_ids)
+        try:
+            self.output.add(request_id, req.prompt_token_ids, params, req.output_token_ids)  # ValueError: as above
+        except ValueError:
+            self.grammars.remove(request_id)
+            raise
         req.seed = self.intake.seed_for(params)
         req.cache_salt = cache_salt
         if self.spec is not None and params.use_speculation:
@@ -261,6 +263,9 @@ class LLMEngine:
             if spec is not None and spec.wants_hidden and scheduled:
                 spec.observe(scheduled, self._hidden)
             plain, verify = logit_rows(scheduled)
+            if self.grammars.states:  # constrained rows: the grammar's masks, in place
+                plain, verify, failed = mask_logits(self.grammars, logits, plain, verify, spec)
+                self._fail(step, failed)
             results = self._sample(step, logits, plain) + self._verify(step, logits, verify)
             self.scheduler.update_from_output(scheduled, {v.request.request_id: v.num_accepted for v in results})
             proposed, accepted = self._process(step, results)
@@ -359,7 +364,7 @@ class LLMEngine:
         rounds, finish what is finished; returns (drafts verified, accepted that reached the
         output) for the step's stats."""
         proposed = accepted = 0
-        done, failed = contain_each(results, lambda t: self.output.append(t.request, t.token_ids, t.logprobs), _req)
+        done, failed = contain_each(results, self._append, _req)
         self._fail(step, failed)
         for t, app in done:
             r = t.request
@@ -373,6 +378,12 @@ class LLMEngine:
             if r.is_finished:
                 self._forget(r)
         return proposed, accepted
+
+    def _append(self, t: StepTokens) -> Appended:
+        """The output processor keeps what it keeps of ``t``; a constrained request's matcher follows."""
+        app = self.output.append(t.request, t.token_ids, t.logprobs)
+        self.grammars.accept(t.request.request_id, app.token_ids)
+        return app
 
     # ------------------------------------------------------------------ finishing
 
@@ -396,6 +407,8 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
+        if reason in (FinishReason.LENGTH, FinishReason.STOP):  # ended before its constraint was complete?
+            req.constraint_unfinished = not self.grammars.is_complete(req.request_id)
         req.finish_time = time.monotonic()
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)
@@ -416,35 +429,21 @@ class LLMEngine:
     def _forget(self, req: Request) -> None:
         """``req``'s final output is built: its text and speculation state go."""
         self.output.forget(req)
+        self.grammars.remove(req.request_id)
         if self.spec is not None:
             self.spec.forget(req)
 
     def _spec_stats(self, req: Request) -> SpecStats | None:
-        return None if self.spec is None else self.spec.stats(req)
+        stats = None if self.spec is None else self.spec.stats(req)
+        refused = self.grammars.refused(req.request_id)
+        return replace(stats, grammar_refused=refused) if stats is not None and refused else stats
 
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
-        """Every block (target pool, and the draft pool with a draft model) is owned once by
-        the request holding it, or free; speculation and text state only for unfinished
-        requests (tests call this)."""
-        reqs = [*self.scheduler.running, *self.scheduler.waiting]
-        self.blocks.pool.check(r.block_table for r in reqs)
-        if self.spec is not None:
-            self.spec.check(reqs)
-        stray = set(self.output.detokenizers) - {r.request_id for r in reqs}
-        if stray:
-            raise AssertionError(f"text state kept for requests that are gone: {sorted(stray)}")
+        """Blocks owned once or free; per-request state only for unfinished requests (tests call this)."""
+        check_running(self)
 
     def check_idle_invariants(self) -> None:
-        """With no request left, every block of every pool must be free and no per-request
-        state left (tests call this)."""
-        if self.scheduler.num_unfinished:
-            raise AssertionError(f"{self.scheduler.num_unfinished} requests unfinished")
-        self.blocks.pool.check([])
-        if self.blocks.num_free_blocks != self.blocks.num_blocks:
-            raise AssertionError(f"{self.blocks.num_blocks - self.blocks.num_free_blocks} target blocks still in use")
-        if self.spec is not None:
-            self.spec.check_idle()
-        if self.output.detokenizers:
-            raise AssertionError(f"text state left: {sorted(self.output.detokenizers)}")
+        """No request left: every block free, no per-request state (tests call this)."""
+        check_idle(self)

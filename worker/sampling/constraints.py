@@ -81,7 +81,9 @@ class Constraint:
                 raise ValueError(f"the json_schema constraint is not valid JSON ({e})") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
-            object.__setattr__(self, "value", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            object.__setattr__(
+                self, "value", json.dumps(schema, separators=(",", ":"))
+            )  # key order kept: it is the output order
 
     def _check_choices(self) -> None:
         v = self.value

@@ -172,9 +172,13 @@ class SamplingParams:
         if self.constraint is not None:
             set_(self, "constraint", Constraint.from_any(self.constraint))
             if self.ignore_eos:
-                raise ValueError("ignore_eos cannot be combined with a constraint: the constraint decides where the output ends")
+                raise ValueError(
+                    "ignore_eos cannot be combined with a constraint: the constraint decides where the output ends"
+                )
             if self.min_tokens:
-                raise ValueError("min_tokens cannot be combined with a constraint: the constraint decides where the output ends")
+                raise ValueError(
+                    "min_tokens cannot be combined with a constraint: the constraint decides where the output ends"
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,41 @@
+"""The engine's consistency checks (tests call them through ``LLMEngine.check_invariants`` and
+``LLMEngine.check_idle_invariants``): every block owned once or free, and per-request state (text,
+speculation, grammar) only for the requests still unfinished."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftwise.worker.engine.llm_engine import LLMEngine
+
+
+def check_running(engine: LLMEngine) -> None:
+    """Every block (target pool, and the draft pool with a draft model) is owned once by the request
+    holding it, or free; speculation, text and grammar state only for unfinished requests."""
+    reqs = [*engine.scheduler.running, *engine.scheduler.waiting]
+    engine.blocks.pool.check(r.block_table for r in reqs)
+    if engine.spec is not None:
+        engine.spec.check(reqs)
+    ids = {r.request_id for r in reqs}
+    stray = (set(engine.output.detokenizers) | set(engine.grammars.states)) - ids
+    if stray:
+        raise AssertionError(f"text or grammar state kept for requests that are gone: {sorted(stray)}")
+
+
+def check_idle(engine: LLMEngine) -> None:
+    """With no request left, every block of every pool is free and no per-request state is left."""
+    if engine.scheduler.num_unfinished:
+        raise AssertionError(f"{engine.scheduler.num_unfinished} requests unfinished")
+    blocks = engine.blocks
+    blocks.pool.check([])
+    if blocks.num_free_blocks != blocks.num_blocks:
+        raise AssertionError(f"{blocks.num_blocks - blocks.num_free_blocks} target blocks still in use")
+    if engine.spec is not None:
+        engine.spec.check_idle()
+    if engine.output.detokenizers or engine.grammars.states:
+        left = sorted(engine.output.detokenizers), sorted(engine.grammars.states)
+        raise AssertionError(f"text or grammar state left: {left}")
+
+
+__all__ = ["check_idle", "check_running"]
