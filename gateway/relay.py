@@ -423,6 +423,8 @@ class Relay(Resumable):
         finished = pb.Finished(
             finish_reason=pb.FINISH_REASON_ABORT,
             usage=pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens),
+            # (a constrained request still running was not complete: a complete one finishes by itself)
+            constraint_unfinished=self.request.start.sampling_params.WhichOneof("constraint") is not None,
         )
         t = finished.timings
         t.queue_ms = self.queue_ms

@@ -1,18 +1,28 @@
 """The worker's rules for sampling parameters, checked at the gateway, so that a bad request is
 INVALID_ARGUMENT (HTTP 400) at once, whether or not a worker is up to say so (vLLM's ranges, as
-``SamplingParams`` in the worker checks them; the worker checks again)."""
+``SamplingParams`` in the worker checks them; the worker checks again).
+
+A structured-output constraint is checked for its shape only (the worker's ``Constraint``
+rules: non-empty, bounded text, a schema that is a JSON object or boolean, a bounded list of
+non-empty choices, not with ignore_eos or min_tokens); whether it compiles against the model's
+vocabulary only a worker can say."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
 
-from draftwise.gateway.errors import RequestError
+from draftwise.gateway.errors import RequestError, clip
 from draftwise.v1 import generation_pb2 as pb
 
 MAX_LOGPROBS = 20
 """Most top-n log-probabilities a request may ask for per token (the worker's MAX_LOGPROBS)."""
+MAX_CONSTRAINT_BYTES = 256 * 1024
+"""Largest schema, regex or grammar text in UTF-8 bytes, and largest choice list in total (the worker's)."""
+MAX_CHOICES = 1024
+"""Most strings a choice constraint may list (the worker's MAX_CHOICES)."""
 
 
 class FieldError(RequestError):
@@ -56,3 +66,49 @@ def check_sampling(sp: pb.SamplingParams, spec: pb.SpeculationOptions | None = N
             "max_speculative_tokens",
             f"speculation.max_speculative_tokens must be >= 1, got {spec.max_speculative_tokens}",
         )
+    check_constraint(sp)
+
+
+def check_constraint(sp: pb.SamplingParams) -> None:
+    """FieldError naming the constraint kind (the oneof's field) when its shape is wrong, or
+    ``ignore_eos`` / ``min_tokens`` when either comes with a constraint."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None:
+        return
+    if kind == "json_object":
+        if not sp.json_object:
+            raise FieldError(kind, "json_object must be true when set (leave it unset for no constraint)")
+    elif kind == "choice":
+        options = sp.choice.options
+        if not options:
+            raise FieldError(kind, "a choice constraint needs at least one string: choice.options is empty")
+        if len(options) > MAX_CHOICES:
+            raise FieldError(kind, f"a choice constraint may list at most {MAX_CHOICES} strings, got {len(options)}")
+        if any(not o for o in options):
+            raise FieldError(kind, "the choice options must be non-empty strings, got ''")
+        if sum(len(o.encode()) for o in options) > MAX_CONSTRAINT_BYTES:
+            raise FieldError(kind, f"the choice options are larger than {MAX_CONSTRAINT_BYTES} bytes in total")
+    else:
+        _check_constraint_text(kind, getattr(sp, kind))
+    for name, bad in (("ignore_eos", sp.ignore_eos), ("min_tokens", sp.min_tokens > 0)):
+        if bad:
+            raise FieldError(
+                name,
+                f"{name} cannot be combined with a {kind} constraint: the constraint decides where the output ends",
+            )
+
+
+def _check_constraint_text(kind: str, text: str) -> None:
+    """A json_schema, regex or grammar: non-empty, at most MAX_CONSTRAINT_BYTES, a schema JSON."""
+    if not text.strip():
+        raise FieldError(kind, f"the {kind} constraint is empty")
+    size = len(text.encode())
+    if size > MAX_CONSTRAINT_BYTES:
+        raise FieldError(kind, f"the {kind} constraint is {size} bytes; at most {MAX_CONSTRAINT_BYTES}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise FieldError(kind, f"the json_schema constraint is not valid JSON ({clip(str(e))})") from None
+        if not isinstance(schema, dict | bool):
+            raise FieldError(kind, f"a json_schema must be a JSON object or a boolean, got {type(schema).__name__}")

@@ -4,6 +4,7 @@ prompt's length in tokens, prompt + max_tokens against the context, ...)."""
 
 from __future__ import annotations
 
+import json
 from typing import TypeVar
 
 import grpc
@@ -96,8 +97,12 @@ MAX_ROLE_CHARS = 64
 
 
 def validate_chat(chat: pb.ChatMessages) -> None:
-    """RequestError(INVALID_ARGUMENT) for a chat with no messages or an empty or overlong role;
-    whether the model has a template and knows each role is the worker's to say."""
+    """RequestError(INVALID_ARGUMENT) for a chat with no messages, an empty or overlong role,
+    malformed tools (:func:`validate_tools`), tool calls on a message that is not the
+    assistant's or without a name or with arguments that are not a JSON object, or a tool
+    message without content (the worker's rules); whether the model has a template and knows
+    each role is the worker's to say."""
+    validate_tools(chat.tools_json)
     if not chat.messages:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat has no messages: send at least one")
     for i, m in enumerate(chat.messages):
@@ -111,3 +116,66 @@ def validate_chat(chat: pb.ChatMessages) -> None:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt.chat.messages[{i}].role is {len(m.role)} characters ({clip(m.role)!r}); at most {MAX_ROLE_CHARS}",
             )
+        _validate_tool_fields(m, f"prompt.chat.messages[{i}]")
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _json(text: str, where: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _invalid(f"{where} is not valid JSON ({clip(str(e))})") from None
+    except RecursionError:
+        raise _invalid(f"{where} is nested too deeply") from None
+
+
+def _validate_tool_fields(m: pb.ChatMessage, where: str) -> None:
+    if m.tool_calls and m.role != "assistant":
+        raise _invalid(f"{where}.tool_calls is set on a {clip(m.role)!r} message: only assistant messages call tools")
+    for j, call in enumerate(m.tool_calls):
+        if not call.name:
+            raise _invalid(f"{where}.tool_calls[{j}].name is empty: a tool call names the function it calls")
+        if call.arguments.strip() and not isinstance(_json(call.arguments, f"{where}.tool_calls[{j}].arguments"), dict):
+            raise _invalid(f"{where}.tool_calls[{j}].arguments must be a JSON object")
+    if m.role == "tool" and not m.content:
+        raise _invalid(f"{where}.content is empty: a tool message carries the tool's result")
+    if m.tool_call_id and m.role != "tool":
+        raise _invalid(f"{where}.tool_call_id is set on a {clip(m.role)!r} message: only tool messages answer a call")
+
+
+def validate_tools(tools_json: str) -> None:
+    """RequestError(INVALID_ARGUMENT) unless ``tools_json`` is empty or a JSON array of OpenAI
+    function tools ``{"type": "function", "function": {"name", "description", "parameters"}}``
+    with unique, non-empty names (the worker's rules)."""
+    where = "prompt.chat.tools_json"
+    if not tools_json.strip():
+        return
+    tools = _json(tools_json, where)
+    if not isinstance(tools, list):
+        raise _invalid(f"{where} must be a JSON array of function tools, got {type(tools).__name__}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _invalid(
+                f"{at} must be an object {{'type': 'function', 'function': {{...}}}} (only function tools are served)"
+            )
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _invalid(f"{at}.function must be an object with a 'name'")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise _invalid(f"{at}.function.name must be a non-empty string")
+        if name in names:
+            raise _invalid(f"{at}.function.name {clip(name)!r} is given twice: tool names must be unique")
+        names.add(name)
+        for key, kind, ok in (
+            ("description", "a string", str),
+            ("parameters", "a JSON Schema object", dict),
+            ("strict", "true or false", bool),
+        ):
+            if fn.get(key) is not None and not isinstance(fn[key], ok):
+                raise _invalid(f"{at}.function.{key} must be {kind}")

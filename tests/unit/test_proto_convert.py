@@ -1,11 +1,15 @@
 """Engine outputs to gRPC messages (``worker/serving/proto_convert.py``): a speculating request's
 deltas carry its cumulative counters in ``TokenDelta.speculation``, its finished event the
 totals in ``Usage``, and a request that does not speculate carries neither; the gateway's
-metrics read what the worker writes. Speculation options map onto SamplingParams."""
+metrics read what the worker writes. Speculation options map onto SamplingParams. Structured
+output: each constraint kind maps onto ``SamplingParams.constraint`` (a malformed one is a
+ValueError naming it), the grammar's refused drafts and an unfinished constraint reach the
+events, and chat tools (tools_json, tool calls, tool results) reach the ``ChatPrompt``."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -13,12 +17,17 @@ from draftwise.gateway.metrics import GatewayMetrics
 from draftwise.gateway.streams import merge_delta
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.worker.core.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, SpecStats
+from draftwise.worker.sampling.constraints import Constraint
 from draftwise.worker.serving.proto_convert import (
+    continuation_from_proto,
     events_from_delta,
     finished_from_delta,
+    prompt_from_proto,
     responses_from_delta,
     sampling_params_from_proto,
 )
+from draftwise.worker.text.chat import ChatPrompt
+from draftwise.worker.text.chat_tools import ToolCall
 
 
 def _final(spec: SpecStats | None, tokens: list[int], finish: str = "length") -> RequestOutput:
@@ -153,3 +162,146 @@ def test_speculation_options_map_onto_sampling_params():
     assert p.use_speculation and p.max_speculative_tokens == 2
     with pytest.raises(ValueError, match="max_speculative_tokens must be >= 1"):
         sampling_params_from_proto(plain, pb.SpeculationOptions(max_speculative_tokens=0))
+
+
+# --- structured output and tools (issue 27) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "want"),
+    [
+        (
+            "json_schema",
+            '{"type": "object", "required": ["a"]}',
+            Constraint.json_schema({"required": ["a"], "type": "object"}),
+        ),
+        ("json_schema", "true", Constraint.json_schema(True)),
+        ("json_object", True, Constraint.json_object()),
+        ("regex", "[a-z]+@[a-z]+\\.com", Constraint.regex("[a-z]+@[a-z]+\\.com")),
+        ("grammar", 'root ::= "yes" | "no"', Constraint.grammar('root ::= "yes" | "no"')),
+        ("choice", pb.ChoiceConstraint(options=["red", "green"]), Constraint.choice(["red", "green"])),
+    ],
+)
+def test_each_constraint_kind_maps_onto_sampling_params(field: str, value: object, want: Constraint) -> None:
+    p = sampling_params_from_proto(pb.SamplingParams(temperature=0, **{field: value}))
+    assert p.constraint == want
+    assert sampling_params_from_proto(pb.SamplingParams(temperature=0)).constraint is None
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"json_schema": ""}, "json_schema constraint is empty"),
+        ({"json_schema": "{not json"}, "json_schema constraint is not valid JSON"),
+        ({"json_schema": "[1, 2]"}, "object or a boolean"),
+        ({"json_schema": "[" * 100_000}, "json_schema"),
+        ({"json_object": False}, "json_object must be true"),
+        ({"regex": "   "}, "regex constraint is empty"),
+        ({"grammar": "x" * (256 * 1024 + 1)}, "grammar constraint is larger than"),
+        ({"choice": pb.ChoiceConstraint()}, "at least one string"),
+        ({"choice": pb.ChoiceConstraint(options=["a", ""])}, "non-empty strings"),
+        ({"choice": pb.ChoiceConstraint(options=["a"] * 1025)}, "at most 1024"),
+        ({"regex": "a+", "ignore_eos": True}, "ignore_eos cannot be combined"),
+        ({"json_object": True, "min_tokens": 1}, "min_tokens cannot be combined"),
+    ],
+)
+def test_a_malformed_constraint_is_a_value_error_naming_it(params: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sampling_params_from_proto(pb.SamplingParams(**params))
+
+
+def test_grammar_refused_drafts_are_reported_and_read_back_from_a_continuation() -> None:
+    (ev,) = events_from_delta(_delta(SpecStats(proposed=9, accepted=4, verify_steps=3, grammar_refused=2), [5]))
+    assert ev.delta.speculation.grammar_refused_tokens == 2
+    (plain,) = events_from_delta(_delta(SpecStats(4, 2, 1), [5]))
+    assert plain.delta.speculation.grammar_refused_tokens == 0
+    start = pb.StartGeneration(continuation=pb.Continuation(output_token_ids=[1, 2], speculation=ev.delta.speculation))
+    tokens, spec = continuation_from_proto(start)
+    assert tokens == [1, 2] and spec == SpecStats(9, 4, 3, 2)
+
+
+@pytest.mark.parametrize("unfinished", [True, False])
+def test_constraint_unfinished_reaches_the_finished_event(unfinished: bool) -> None:
+    final = _final(None, [4, 5])
+    final = dataclasses.replace(
+        final, outputs=[dataclasses.replace(final.outputs[0], constraint_unfinished=unfinished)]
+    )
+    (_, fin) = events_from_delta(_delta(None, [5], first=1, final=final))
+    assert fin.finished.constraint_unfinished is unfinished
+    assert fin.finished.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+TOOLS_JSON = json.dumps(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+)
+
+
+def _chat(*messages: pb.ChatMessage, tools_json: str = TOOLS_JSON) -> pb.Prompt:
+    return pb.Prompt(chat=pb.ChatMessages(messages=list(messages), tools_json=tools_json))
+
+
+def test_chat_tools_map_onto_the_chat_prompt() -> None:
+    call = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    prompt = prompt_from_proto(
+        _chat(
+            pb.ChatMessage(role="user", content="Weather in Paris?"),
+            pb.ChatMessage(role="assistant", tool_calls=[call]),
+            pb.ChatMessage(role="tool", content="22 C", tool_call_id="call_1", name="get_weather"),
+        )
+    )
+    assert isinstance(prompt, ChatPrompt)
+    assert prompt.tools == tuple(json.loads(TOOLS_JSON))
+    user, assistant, tool = prompt.messages
+    assert (user.role, user.content, user.tool_calls) == ("user", "Weather in Paris?", ())
+    assert assistant.tool_calls == (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)
+    assert (tool.role, tool.content, tool.tool_call_id, tool.name) == ("tool", "22 C", "call_1", "get_weather")
+    assert prompt.as_dicts()[1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    plain = prompt_from_proto(_chat(pb.ChatMessage(role="user", content="hi"), tools_json=""))
+    assert isinstance(plain, ChatPrompt) and plain.tools == () and not plain.uses_tools
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        (_chat(pb.ChatMessage(role="user", content="x"), tools_json="{"), "tools_json is not valid JSON"),
+        (
+            _chat(pb.ChatMessage(role="user", content="x"), tools_json='{"type": "function"}'),
+            "tools_json must be a JSON array",
+        ),
+        (
+            _chat(pb.ChatMessage(role="user", content="x"), tools_json='[{"type": "retrieval"}]'),
+            r"tools_json\[0\].type",
+        ),
+        (
+            _chat(pb.ChatMessage(role="user", content="x"), tools_json='[{"type": "function", "function": {}}]'),
+            r"tools_json\[0\].function.name",
+        ),
+        (_chat(pb.ChatMessage(role="tool", tool_call_id="c")), r"messages\[0\].content is empty"),
+        (
+            _chat(pb.ChatMessage(role="user", content="x", tool_calls=[pb.ToolCall(name="f")])),
+            r"messages\[0\].tool_calls is set on a 'user' message",
+        ),
+        (
+            _chat(pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c", arguments="{}")])),
+            r"messages\[0\].tool_calls\[0\].name is empty",
+        ),
+        (
+            _chat(pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="f", arguments="[1]")])),
+            r"messages\[0\].tool_calls\[0\].arguments must be a JSON object",
+        ),
+    ],
+)
+def test_malformed_chat_tools_are_a_value_error_naming_the_field(prompt: pb.Prompt, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        prompt_from_proto(prompt)

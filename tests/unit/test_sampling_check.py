@@ -25,7 +25,27 @@ VALUES = {
     "min_tokens": [0, 1, 16, 17, 2**32 - 1],
     "logprobs": [0, 1, 20, 21, 2**32 - 1],
     "stop": [["x"], [""], ["a", ""]],
+    "ignore_eos": [False, True],
+    # structured output: one kind of the constraint oneof (a later pick replaces an earlier one)
+    "json_schema": [
+        '{"type": "object"}',
+        "true",
+        "false",
+        "",
+        " \n",
+        "{bad",
+        "[1]",
+        "3",
+        "null",
+        "[" * 5000,
+        "x" * 300_000,
+    ],
+    "json_object": [True, False],
+    "regex": ["[a-z]+", "", "\t", "(", "é" * 140_000],
+    "grammar": ['root ::= "a"', "", "  ", "root ::= (", "a" * (256 * 1024 + 1)],
+    "choice": [[], ["a"], ["a", ""], [""], ["yes", "no"], ["x"] * 1024, ["x"] * 1025, ["é" * 70_000] * 2],
 }
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
 def _worker_refuses(sp: pb.SamplingParams, spec: pb.SpeculationOptions | None) -> bool:
@@ -38,13 +58,15 @@ def _worker_refuses(sp: pb.SamplingParams, spec: pb.SpeculationOptions | None) -
 
 def test_the_gateway_refuses_what_the_worker_refuses() -> None:
     rng = random.Random(23)
-    refused = 0
+    refused = constrained = 0
     for _ in range(3000):
         sp = pb.SamplingParams()
         for name in rng.sample(sorted(VALUES), rng.randint(1, 4)):
             v = rng.choice(VALUES[name])
             if name == "stop":
                 sp.stop.extend(v)
+            elif name == "choice":
+                sp.choice.CopyFrom(pb.ChoiceConstraint(options=v))
             else:
                 setattr(sp, name, v)
         spec = pb.SpeculationOptions(max_speculative_tokens=rng.choice([0, 1, 4])) if rng.random() < 0.2 else None
@@ -55,9 +77,11 @@ def test_the_gateway_refuses_what_the_worker_refuses() -> None:
         except FieldError as e:
             gateway = True
             assert e.param in e.message or e.param == "max_speculative_tokens", e.message
-        assert gateway == worker, (sp, spec, worker)
+        assert gateway == worker, (str(sp)[:300], spec, worker)
         refused += gateway
+        constrained += sp.WhichOneof("constraint") is not None and not gateway
     assert 500 < refused < 2900  # both kinds were tried
+    assert constrained > 100  # and valid constraints among them
 
 
 @pytest.mark.parametrize(("params", "param"), [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p")])
@@ -65,3 +89,32 @@ def test_names_the_field(params: dict, param: str) -> None:
     with pytest.raises(FieldError) as e:
         check_sampling(pb.SamplingParams(**params))
     assert e.value.param == param
+
+
+def test_the_constraint_limits_are_the_workers() -> None:
+    from draftwise.gateway import sampling_check
+    from draftwise.worker.sampling import constraints
+
+    assert sampling_check.MAX_CONSTRAINT_BYTES == constraints.MAX_CONSTRAINT_BYTES
+    assert sampling_check.MAX_CHOICES == constraints.MAX_CHOICES
+    assert set(CONSTRAINT_KINDS) == set(constraints.KINDS)
+    oneof = pb.SamplingParams.DESCRIPTOR.oneofs_by_name["constraint"]
+    assert [f.name for f in oneof.fields] == list(constraints.KINDS)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"json_schema": "{bad"}, "json_schema"),
+        ({"regex": ""}, "regex"),
+        ({"grammar": " "}, "grammar"),
+        ({"json_object": False}, "json_object"),
+        ({"choice": pb.ChoiceConstraint()}, "choice"),
+        ({"regex": "a", "ignore_eos": True}, "ignore_eos"),
+        ({"choice": pb.ChoiceConstraint(options=["a"]), "min_tokens": 1}, "min_tokens"),
+    ],
+)
+def test_a_bad_constraint_names_its_field(params: dict, param: str) -> None:
+    with pytest.raises(FieldError) as e:
+        check_sampling(pb.SamplingParams(**params))
+    assert e.value.param == param and param in e.value.message

@@ -5,9 +5,11 @@ from __future__ import annotations
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.worker.core.outputs import RequestDelta, SpecStats
+from draftwise.worker.sampling.constraints import Constraint
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.text.chat import ChatPrompt
+from draftwise.worker.text.chat import ChatMessage, ChatPrompt
+from draftwise.worker.text.chat_tools import ToolCall, tools_from_json
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
@@ -30,6 +32,9 @@ def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptio
     for name in ("temperature", "top_p", "max_tokens", "seed", "repetition_penalty", "logprobs", "skip_special_tokens"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
+    constraint = constraint_from_proto(msg)
+    if constraint is not None:
+        kw["constraint"] = constraint
     if spec is not None:
         if spec.HasField("enabled"):
             kw["use_speculation"] = spec.enabled
@@ -40,6 +45,44 @@ def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptio
     return SamplingParams(**kw)
 
 
+def constraint_from_proto(msg: pb.SamplingParams) -> Constraint | None:
+    """The ``constraint`` oneof (None when unset); ValueError naming the kind for a malformed
+    one (empty or oversized text, a schema that is not JSON, no choices, ``json_object`` false).
+    Whether it compiles is the engine's check, at intake."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise ValueError("sampling_params.json_object must be true when set (leave it unset for no constraint)")
+        return Constraint.json_object()
+    if kind == "choice":
+        return Constraint.choice(list(msg.choice.options))
+    if kind == "json_schema":
+        try:
+            return Constraint.json_schema(msg.json_schema)
+        except RecursionError:  # (json.loads on deeply nested arrays)
+            raise ValueError("the json_schema constraint is nested too deeply") from None
+    return Constraint.regex(msg.regex) if kind == "regex" else Constraint.grammar(msg.grammar)
+
+
+def chat_from_proto(msg: pb.ChatMessages) -> ChatPrompt:
+    """The conversation and its tools; ValueError naming the field for malformed tools_json,
+    a tool call without a name or with arguments that are not a JSON object, a tool message
+    without content."""
+    messages = tuple(
+        ChatMessage(
+            m.role,
+            m.content,
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id,
+            m.name,
+        )
+        for m in msg.messages
+    )
+    return ChatPrompt(messages, tools_from_json(msg.tools_json))
+
+
 def prompt_from_proto(msg: pb.Prompt) -> str | list[int] | ChatPrompt:
     """Text, token ids, or chat messages (rendered later, off the event loop, by the engine)."""
     kind = msg.WhichOneof("kind")
@@ -48,7 +91,7 @@ def prompt_from_proto(msg: pb.Prompt) -> str | list[int] | ChatPrompt:
     if kind == "token_ids":
         return list(msg.token_ids.ids)
     if kind == "chat":
-        return ChatPrompt(tuple((m.role, m.content) for m in msg.chat.messages))
+        return chat_from_proto(msg.chat)
     raise ValueError("prompt is empty: set prompt.text, prompt.token_ids or prompt.chat")
 
 
@@ -61,7 +104,7 @@ def continuation_from_proto(msg: pb.StartGeneration) -> tuple[list[int], SpecSta
     spec = None
     if c.HasField("speculation"):
         s = c.speculation
-        spec = SpecStats(s.proposed_tokens, s.accepted_tokens, s.verify_steps)
+        spec = SpecStats(s.proposed_tokens, s.accepted_tokens, s.verify_steps, s.grammar_refused_tokens)
     return list(c.output_token_ids), spec
 
 
@@ -128,6 +171,7 @@ def fill_speculation_stats(msg: pb.SpeculationStats, spec: SpecStats) -> None:
     msg.acceptance_rate = spec.acceptance_rate
     msg.mean_accepted_length = spec.mean_accepted_length
     msg.verify_steps = spec.verify_steps
+    msg.grammar_refused_tokens = spec.grammar_refused
     msg.SetInParent()  # present even while every counter is still 0
 
 
@@ -141,6 +185,7 @@ def finished_from_delta(d: RequestDelta) -> pb.Finished:
     if out is not None:
         msg.usage.prompt_tokens = len(out.prompt_token_ids)
         completion = out.outputs[0]
+        msg.constraint_unfinished = completion.constraint_unfinished
         msg.usage.completion_tokens = len(completion.token_ids)
         msg.usage.speculative_proposed_tokens = completion.num_spec_proposed
         msg.usage.speculative_accepted_tokens = completion.num_spec_accepted
