@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from draftwise_client._aio import AsyncClient
 from draftwise_client._aio_session import RequestStream, Session
+from draftwise_client._constraint import Constraint
 from draftwise_client._resume import ResumePolicy
 from draftwise_client._retry import RetryPolicy
 from draftwise_client._sync import Client
@@ -54,6 +55,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Completion",
+    "Constraint",
     "Delta",
     "GenerationError",
     "ModelInfo",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -160,9 +161,10 @@ class AsyncClient:
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
@@ -171,8 +173,12 @@ class AsyncClient:
         dicts, oldest first, which the server renders with the model's chat template (the reply
         ends at the template's end-of-turn token). As ``generate`` otherwise; a model without a
         chat template, no messages or a role the template does not know raise GenerationError
-        (INVALID_ARGUMENT), a malformed list ValueError."""
-        return self.generate(chat_prompt(messages), params, model=model, request_id=request_id, timeout=timeout)
+        (INVALID_ARGUMENT), a malformed list ValueError. ``tools`` are OpenAI-style function tools
+        (``{"type": "function", "function": {"name", "description", "parameters"}}``), rendered
+        into the prompt by the server; messages may carry an assistant's ``tool_calls`` and a
+        tool result (``role: "tool"``, ``tool_call_id``) as OpenAI has them."""
+        prompt = chat_prompt(messages, tools)
+        return self.generate(prompt, params, model=model, request_id=request_id, timeout=timeout)
 
     async def complete(
         self,

@@ -3,11 +3,14 @@ frozen dataclasses (no protobuf in the public API)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from draftwise_client._constraint import Constraint
 from draftwise_client._proto import generate_service_pb2 as gspb
 from draftwise_client._proto import generation_pb2 as pb
 from draftwise_client._retry import hint_from_metadata
@@ -38,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     speculation: bool | None = None  # False: no speculative decoding for this request; None: the server's choice
     max_speculative_tokens: int | None = None  # cap on the tokens drafted per step (>= 1)
+    constraint: Constraint | None = None  # structured output: what the output must match (see Constraint)
 
     def to_proto(self) -> pb.SamplingParams:
         msg = pb.SamplingParams(
@@ -57,6 +61,8 @@ class SamplingParams:
                 setattr(msg, name, value)
         if self.skip_special_tokens is not None:
             msg.skip_special_tokens = self.skip_special_tokens
+        if self.constraint is not None:
+            self.constraint.fill(msg)
         return msg
 
     def speculation_proto(self) -> pb.SpeculationOptions | None:
@@ -97,6 +103,7 @@ class SpeculationStats:
     acceptance_rate: float  # accepted / proposed
     mean_accepted_length: float  # tokens per verification step: 1 + accepted / verify_steps
     verify_steps: int
+    grammar_refused_tokens: int = 0  # of the proposed tokens, those a constraint's grammar refused
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,7 @@ class Delta:
     usage: Usage | None = None
     speculation: SpeculationStats | None = None  # on deltas of a speculating request
     resume_handle: str = ""  # on a request's first delta: what a reconnecting client resumes it with
+    constraint_unfinished: bool = False  # on the last delta: it ended before its constraint was complete
 
     @property
     def finished(self) -> bool:
@@ -130,6 +138,7 @@ class Completion:
     finish_reason: str
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = field(default=())
+    constraint_unfinished: bool = False  # it ended (length, a stop string, abort) before its constraint was complete
 
 
 @dataclass(frozen=True)
@@ -194,20 +203,41 @@ class GenerationError(Exception):
         return cls(code, err.message, request_id, retry)
 
 
-def chat_prompt(messages: Sequence[Mapping[str, str]]) -> pb.Prompt:
-    """Chat messages (``{"role": ..., "content": ...}`` dicts, oldest first) as a prompt the
-    server renders with the model's chat template; ValueError for a malformed list."""
+def chat_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> pb.Prompt:
+    """Chat messages (``{"role": ..., "content": ...}`` dicts, oldest first; an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` and ``name`` as OpenAI has them) and
+    OpenAI-style function ``tools`` as a prompt the server renders with the model's chat
+    template; ValueError for a malformed list (the server checks the rest)."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content", "")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise ValueError(f"messages[{i}]: 'role' and 'content' must be strings")
-        out.append(pb.ChatMessage(role=role, content=content))
-    return pb.Prompt(chat=pb.ChatMessages(messages=out))
+        role, content = m.get("role"), m.get("content") or ""
+        call_id, name = m.get("tool_call_id") or "", m.get("name") or ""
+        if not all(isinstance(v, str) for v in (role, content, call_id, name)):
+            raise ValueError(f"messages[{i}]: 'role', 'content', 'tool_call_id' and 'name' must be strings")
+        msg = pb.ChatMessage(role=role, content=content, tool_call_id=call_id, name=name)
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            msg.tool_calls.append(_tool_call(call, f"messages[{i}].tool_calls[{j}]"))
+        out.append(msg)
+    prompt = pb.Prompt(chat=pb.ChatMessages(messages=out))
+    if tools:
+        prompt.chat.tools_json = json.dumps(list(tools))
+    return prompt
+
+
+def _tool_call(call: object, where: str) -> pb.ToolCall:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}`` (arguments
+    JSON text, or a dict)."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(call, Mapping) or not isinstance(fn, Mapping):
+        raise ValueError(f"{where} must be a dict {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+    args = fn.get("arguments") or ""
+    if isinstance(args, Mapping):
+        args = json.dumps(args)
+    return pb.ToolCall(id=call.get("id") or "", name=fn.get("name") or "", arguments=args)
 
 
 def start_message(
@@ -237,7 +267,12 @@ def _logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
 
 def _speculation(s: pb.SpeculationStats) -> SpeculationStats:
     return SpeculationStats(
-        s.proposed_tokens, s.accepted_tokens, s.acceptance_rate, s.mean_accepted_length, s.verify_steps
+        s.proposed_tokens,
+        s.accepted_tokens,
+        s.acceptance_rate,
+        s.mean_accepted_length,
+        s.verify_steps,
+        s.grammar_refused_tokens,
     )
 
 
@@ -269,6 +304,7 @@ def delta_from_event(event: pb.GenerationEvent) -> Delta:
             u.speculative_accepted_tokens,
             u.cached_prompt_tokens,
         ),
+        constraint_unfinished=f.constraint_unfinished,
     )
 
 
@@ -298,4 +334,5 @@ class Collector:
             finish_reason=last.finish_reason,
             usage=last.usage,
             logprobs=tuple(self.logprobs),
+            constraint_unfinished=last.constraint_unfinished,
         )
