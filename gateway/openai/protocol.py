@@ -10,8 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftwise.chat_content import text_content
+from draftwise.gateway.openai.api_error import ERROR_TYPES, ApiError, error_body
+from draftwise.gateway.openai.api_error import show as _show
+from draftwise.gateway.openai.structured import ConstraintSpec, constraint_from_body, one_constraint
+from draftwise.gateway.openai.tools import ToolPlan, fill_message, parse_tools
 from draftwise.gateway.sampling_check import FieldError, check_sampling
 from draftwise.v1 import generation_pb2 as pb
+
+__all__ = ["ERROR_TYPES", "ApiError", "error_body"]  # re-exported: the server's imports of them stay here
 
 MAX_STOP = 16
 """Most stop strings one request may carry."""
@@ -23,8 +29,6 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 REFUSED_FIELDS: dict[str, str] = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "logit_bias": "logit_bias is not supported",
@@ -34,38 +38,6 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 """Fields refused when set to anything but null/empty, with the reason (silently ignoring them
 would change what the client asked for)."""
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP ``status``, ``message``, ``param`` (the offending field)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {
-        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
-    }
 
 
 @dataclass(frozen=True)
@@ -78,6 +50,8 @@ class ParsedRequest:
     logprobs: bool  # chat: logprobs requested; completions: logprobs is not None
     starts: tuple[pb.StartGeneration, ...] = ()
     """Completions with a list of prompts: one request per prompt (choice ``index`` i); else empty."""
+    tools: ToolPlan | None = None
+    """Chat with tools offered: how to read the output for tool calls (None: plain text)."""
 
 
 def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
@@ -124,12 +98,11 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     best_of = _int(body, "best_of", 1)
     if best_of is not None and best_of != 1:
         raise ApiError(400, f"best_of must be 1 (got {best_of})", "best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError(400, "response_format: only {'type': 'text'} is supported", "response_format")
 
 
-def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> pb.SamplingParams:
+def _sampling(
+    body: dict[str, Any], max_tokens_names: tuple[str, ...], constraint: ConstraintSpec | None
+) -> pb.SamplingParams:
     sp = pb.SamplingParams()
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         v = _float(body, name)
@@ -167,23 +140,33 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> pb.Sam
     sp.ignore_eos = _bool(body, "ignore_eos")
     if body.get("skip_special_tokens") is not None:
         sp.skip_special_tokens = _bool(body, "skip_special_tokens")
+    if constraint is not None:
+        set_constraint(sp, constraint)
     try:
         check_sampling(sp)  # the gateway's shared check (the worker's ranges), naming the field
     except FieldError as e:
-        raise ApiError(400, e.message, e.param) from None
+        param = constraint.param if constraint is not None and e.param in CONSTRAINT_FIELDS else e.param
+        raise ApiError(400, e.message, param) from None
     return sp
+
+
+CONSTRAINT_FIELDS = frozenset({"constraint", "json_schema", "json_object", "regex", "grammar", "choice"})
+"""The contract's names of the constraint oneof (a FieldError naming one is about the request's constraint field)."""
+
+
+def set_constraint(sp: pb.SamplingParams, c: ConstraintSpec) -> None:
+    """``c`` as ``sp``'s constraint oneof."""
+    if c.kind == "choice":
+        sp.choice.options.extend(c.value)
+    elif c.kind == "json_object":
+        sp.json_object = True
+    else:
+        assert isinstance(c.value, str)
+        setattr(sp, c.kind, c.value)
 
 
 def _token_id(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
-
-
-def _show(v: object) -> str:
-    """A short repr of an offending value (a huge integer is not converted to text)."""
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
-        return f"an integer of {v.bit_length()} bits"
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -247,7 +230,10 @@ def parse_completion(raw: object) -> ParsedRequest:
         prompts = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
         prompts = [_prompt(prompt, "prompt")]
-    sp = _sampling(body, ("max_tokens",))
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], ""):
+            raise ApiError(400, f"{name}: tool calling is served by /v1/chat/completions, not completions", name)
+    sp = _sampling(body, ("max_tokens",), constraint_from_body(body))
     if not sp.HasField("max_tokens"):
         sp.max_tokens = 16  # OpenAI's default for completions
     lp = _int(body, "logprobs", 0, 20)
@@ -287,8 +273,12 @@ def parse_chat(raw: object) -> ParsedRequest:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise ApiError(400, f"{where}.role must be a non-empty string", f"{where}.role")
-        chat.messages.add(role=role, content=_content(m.get("content"), f"{where}.content"))
-    sp = _sampling(body, ("max_tokens", "max_completion_tokens"))
+        msg = chat.messages.add(role=role, content=_content(m.get("content"), f"{where}.content"))
+        fill_message(msg, m, where)
+    tools = parse_tools(body)
+    chat.tools_json = tools.tools_json
+    found = [c for c in (constraint_from_body(body), tools.constraint) if c is not None]
+    sp = _sampling(body, ("max_tokens", "max_completion_tokens"), one_constraint(found))
     want_lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 20)
     if top is not None and not want_lp:
@@ -297,7 +287,7 @@ def parse_chat(raw: object) -> ParsedRequest:
         sp.logprobs = top or 0
     stream = _bool(body, "stream")
     start = pb.StartGeneration(model=body.get("model") or "", prompt=pb.Prompt(chat=chat), sampling_params=sp)
-    return ParsedRequest(start, stream, _stream_options(body, stream), want_lp)
+    return ParsedRequest(start, stream, _stream_options(body, stream), want_lp, tools=tools.plan)
 
 
 def _content(content: object, where: str) -> str:
@@ -353,6 +343,7 @@ def speculation(s: pb.SpeculationStats | None) -> dict[str, Any] | None:
         "acceptance_rate": s.acceptance_rate,
         "mean_accepted_length": s.mean_accepted_length,
         "verify_steps": s.verify_steps,
+        "grammar_refused_tokens": s.grammar_refused_tokens,
     }
 
 
@@ -376,6 +367,18 @@ def add_usage(total: pb.Usage, u: pb.Usage) -> None:
 
 def finish_reason(f: pb.Finished) -> str:
     return _FINISH.get(f.finish_reason, "stop")
+
+
+def finish_fields(f: pb.Finished, calls: int = 0) -> dict[str, Any]:
+    """A choice's ``finish_reason``: ``tool_calls`` when the output made ``calls`` tool calls and
+    ended on its own (``length`` stays ``length``: a call may be cut short); and, when the request's
+    constraint was left incomplete (max_tokens or a stop string came first: the output does not
+    parse as asked), the extension field ``constraint_unfinished: true``."""
+    reason = finish_reason(f)
+    out: dict[str, Any] = {"finish_reason": "tool_calls" if calls and reason == "stop" else reason}
+    if f.constraint_unfinished:
+        out["constraint_unfinished"] = True
+    return out
 
 
 def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:

@@ -28,14 +28,8 @@ from draftwise.gateway.admit import Admitted, Refused, Why, admit
 from draftwise.gateway.core import Core
 from draftwise.gateway.errors import RequestError, clip
 from draftwise.gateway.openai import protocol as P
-from draftwise.gateway.openai.http_errors import (
-    HTTP_STATUS,
-    error_code,
-    json_errors,
-    merged,
-    parse_json,
-    raise_if_error,
-)
+from draftwise.gateway.openai import respond as R
+from draftwise.gateway.openai.http_errors import HTTP_STATUS, error_code, json_errors, parse_json, raise_if_error
 from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
 from draftwise.gateway.relay import Relay
 from draftwise.gateway.sampling_check import FieldError, check_sampling
@@ -54,10 +48,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
-
-
-def _sse(obj: object) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 class OpenAIServer:
@@ -237,9 +227,9 @@ class OpenAIServer:
             first = await outbox.get()
             raise_if_error(first)
             if parsed.stream:
-                return await self._stream(request, parsed, chat, rid, model, outbox, first)
-            choice, usage, spec = await self._collect(parsed, chat, outbox, first)
-            return _json(200, _response(rid, chat, model, [choice], usage, spec))
+                return await R.stream(request, parsed, chat, rid, model, outbox, first)
+            choice, usage, spec = await R.collect(rid, parsed, chat, outbox, first)
+            return _json(200, R.response(rid, chat, model, [choice], usage, spec))
         finally:
             relay.cancel()  # no-op once finished; else (the client left) the worker frees its KV blocks
 
@@ -256,8 +246,10 @@ class OpenAIServer:
                 relays.append(relay)
                 outboxes.append(outbox)
             if parsed.stream:
-                return await self._stream_batch(request, parsed, rid, model, outboxes)
-            results = await asyncio.gather(*(self._collect(parsed, False, ob, None) for ob in outboxes))
+                return await R.stream_batch(request, parsed, rid, model, outboxes)
+            results = await asyncio.gather(
+                *(R.collect(f"{rid}-{i}", parsed, False, ob, None) for i, ob in enumerate(outboxes))
+            )
         finally:
             for relay in relays:
                 relay.cancel()
@@ -265,133 +257,7 @@ class OpenAIServer:
         total = pb.Usage()
         for _, u, _ in results:
             P.add_usage(total, u)
-        return _json(200, _response(rid, False, model, choices, total, None))
-
-    async def _stream_batch(
-        self, request: web.Request, parsed: ParsedRequest, rid: str, model: str, outboxes: list[Outbox]
-    ) -> web.StreamResponse:
-        http = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await http.prepare(request)
-        base = P.envelope(rid, "text_completion", model)
-        extra = {"usage": None} if parsed.include_usage else {}
-        total = pb.Usage()
-        try:
-            async for i, resp in merged(outboxes):
-                raise_if_error(resp)
-                ev = resp.event
-                if ev.WhichOneof("kind") == "delta":
-                    lp = P.completion_logprobs(list(ev.delta.logprobs)) if parsed.logprobs else None
-                    choice = {"index": i, "text": ev.delta.text, "logprobs": lp, "finish_reason": None}
-                else:
-                    fin = ev.finished
-                    P.add_usage(total, fin.usage)
-                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": P.finish_reason(fin)}
-                await http.write(_sse(dict(base, choices=[choice], **extra)))
-            if parsed.include_usage:
-                await http.write(_sse(dict(base, choices=[], usage=P.usage(total))))
-        except ApiError as e:  # after the headers: the error travels as an event
-            await http.write(_sse(P.error_body(e.status, e.message, e.param, e.code)))
-        await http.write(b"data: [DONE]\n\n")
-        await http.write_eof()
-        return http
-
-    async def _collect(
-        self, parsed: ParsedRequest, chat: bool, outbox: Outbox, first: Any
-    ) -> tuple[dict[str, Any], pb.Usage, pb.SpeculationStats | None]:
-        """One request's choice (``index`` 0), usage and speculation counters, read to its end."""
-        if first is None:
-            first = await outbox.get()
-        text: list[str] = []
-        logprobs: list[pb.TokenLogprob] = []
-        spec: pb.SpeculationStats | None = None
-        resp = first
-        while True:
-            raise_if_error(resp)
-            assert resp is not None  # _raise_if_error raised for None
-            ev = resp.event
-            if ev.WhichOneof("kind") == "delta":
-                text.append(ev.delta.text)
-                logprobs.extend(ev.delta.logprobs)
-                if ev.delta.HasField("speculation"):
-                    spec = ev.delta.speculation
-            elif ev.WhichOneof("kind") == "finished":
-                break
-            resp = await outbox.get()
-        fin = ev.finished
-        choice: dict[str, Any] = {"index": 0}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-            choice["logprobs"] = P.chat_logprobs(logprobs) if parsed.logprobs else None
-        else:
-            choice["text"] = "".join(text)
-            choice["logprobs"] = P.completion_logprobs(logprobs) if parsed.logprobs else None
-        choice["finish_reason"] = P.finish_reason(fin)
-        return choice, fin.usage, spec
-
-    async def _stream(
-        self,
-        request: web.Request,
-        parsed: ParsedRequest,
-        chat: bool,
-        rid: str,
-        model: str,
-        outbox: Outbox,
-        first: Any,
-    ) -> web.StreamResponse:
-        http = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await http.prepare(request)
-        base = P.envelope(rid, "chat.completion.chunk" if chat else "text_completion", model)
-
-        def chunk(choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-            out = dict(base, choices=[] if choice is None else [dict(index=0, **choice)])
-            if parsed.include_usage:
-                out["usage"] = None
-            out.update(extra)
-            return out
-
-        if chat:
-            await http.write(
-                _sse(chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
-            )
-        resp = first
-        try:
-            while resp is not None:
-                raise_if_error(resp)
-                ev = resp.event
-                kind = ev.WhichOneof("kind")
-                if kind == "delta":
-                    d = ev.delta
-                    extra = {"speculation": P.speculation(d.speculation)} if d.HasField("speculation") else {}
-                    lp = list(d.logprobs) if parsed.logprobs else None
-                    if chat:
-                        c = {"delta": {"content": d.text}, "logprobs": P.chat_logprobs(lp) if lp is not None else None}
-                    else:
-                        c = {"text": d.text, "logprobs": P.completion_logprobs(lp) if lp is not None else None}
-                    await http.write(_sse(chunk(dict(c, finish_reason=None), **extra)))
-                elif kind == "finished":
-                    fin = ev.finished
-                    c = {"delta": {}} if chat else {"text": ""}
-                    await http.write(_sse(chunk(dict(c, logprobs=None, finish_reason=P.finish_reason(fin)))))
-                    if parsed.include_usage:
-                        await http.write(_sse(dict(chunk(None), usage=P.usage(fin.usage))))
-                    break
-                resp = await outbox.get()
-        except ApiError as e:  # after the headers: the error travels as an event
-            await http.write(_sse(P.error_body(e.status, e.message, e.param, e.code)))
-        await http.write(b"data: [DONE]\n\n")
-        await http.write_eof()
-        return http
-
-
-def _response(
-    rid: str, chat: bool, model: str, choices: list[dict[str, Any]], usage: pb.Usage, spec: pb.SpeculationStats | None
-) -> dict[str, Any]:
-    body = P.envelope(rid, "chat.completion" if chat else "text_completion", model)
-    body["choices"] = choices
-    body["usage"] = P.usage(usage)
-    if spec is not None:
-        body["speculation"] = P.speculation(spec)
-    return body
+        return _json(200, R.response(rid, False, model, choices, total, None))
 
 
 def _model_for(core: Core, start: pb.StartGeneration) -> str:
