@@ -240,11 +240,17 @@ def fill_message(msg: pb.ChatMessage, m: dict[str, Any], where: str) -> None:
                 f"{where}.tool_call_id must be the id of the tool call this message answers",
                 f"{where}.tool_call_id",
             )
+        if not msg.content:
+            raise ApiError(
+                400, f"{where}.content is empty: a tool message carries the tool's result", f"{where}.content"
+            )
         msg.tool_call_id = call_id
-    elif call_id is not None:
-        if not isinstance(call_id, str):
-            raise ApiError(400, f"{where}.tool_call_id must be a string, got {show(call_id)}", f"{where}.tool_call_id")
-        msg.tool_call_id = call_id
+    elif call_id not in (None, ""):
+        raise ApiError(
+            400,
+            f"{where}.tool_call_id is set on a {msg.role[:64]!r} message: only tool messages answer a call",
+            f"{where}.tool_call_id",
+        )
 
 
 def _history_call(call: object, where: str) -> pb.ToolCall:

@@ -194,7 +194,13 @@ F = [{"type": "function", "function": {"name": "f"}}]
         ({"messages": [_call(5)]}, "messages[0].tool_calls[0].function.arguments", "JSON text"),
         ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages[0].tool_call_id", "the id of the tool call"),
         ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id", "the id"),
-        ({"messages": [{"role": "user", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id", "a string"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+            "messages[0].tool_call_id",
+            "only tool",
+        ),
+        ({"messages": [{"role": "tool", "tool_call_id": "c", "content": ""}]}, "messages[0].content", "is empty"),
+        ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages[0].content", "is empty"),
         ({"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages[0].name", "must be a string"),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ],
@@ -448,3 +454,29 @@ def test_any_output_streamed_in_any_pieces_reads_as_it_does_whole(
         assert call["function"]["name"] in PLAN.names
         if mode != "named":
             assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+def test_what_the_endpoint_accepts_the_gateway_and_worker_rules_accept() -> None:
+    """Every body accepted here maps onto a request the gateway's shared checks (the worker's
+    rules) take: the tools JSON, the tool messages, the constraint."""
+    from draftwise.gateway.sampling_check import check_sampling
+    from draftwise.gateway.validate import validate_chat
+
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call('{"city": "x"}')["tool_calls"][0]]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny", "name": "f"},
+    ]
+    named = {"type": "function", "function": {"name": "now"}}
+    for fields in (
+        {"tools": TOOLS},
+        {"tools": TOOLS, "tool_choice": "required"},
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+        {"tools": TOOLS, "tool_choice": named},
+        {"tools": TOOLS, "tool_choice": "none"},
+        {"messages": history, "tools": TOOLS},
+        {"messages": history},
+    ):
+        p = parse_chat({"messages": MSG, **fields})
+        validate_chat(p.start.prompt.chat)
+        check_sampling(p.start.sampling_params)
