@@ -46,12 +46,21 @@ def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptio
 
 
 def constraint_from_proto(msg: pb.SamplingParams) -> Constraint | None:
-    """The ``constraint`` oneof (None when unset); ValueError naming the kind for a malformed
-    one (empty or oversized text, a schema that is not JSON, no choices, ``json_object`` false).
-    Whether it compiles is the engine's check, at intake."""
+    """The ``constraint`` oneof (None when unset); ValueError naming the field for a malformed
+    one (empty or oversized text, a schema that is not a JSON object or boolean, no choices,
+    ``json_object`` false). Whether it compiles is the engine's check, at intake."""
     kind = msg.WhichOneof("constraint")
     if kind is None:
         return None
+    try:
+        return _constraint(msg, kind)
+    except RecursionError:  # (json.loads on deeply nested arrays)
+        raise ValueError(f"sampling_params.{kind}: the constraint is nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(str(e) if kind in str(e) else f"sampling_params.{kind}: {e}") from None
+
+
+def _constraint(msg: pb.SamplingParams, kind: str) -> Constraint:
     if kind == "json_object":
         if not msg.json_object:
             raise ValueError("sampling_params.json_object must be true when set (leave it unset for no constraint)")
@@ -59,10 +68,7 @@ def constraint_from_proto(msg: pb.SamplingParams) -> Constraint | None:
     if kind == "choice":
         return Constraint.choice(list(msg.choice.options))
     if kind == "json_schema":
-        try:
-            return Constraint.json_schema(msg.json_schema)
-        except RecursionError:  # (json.loads on deeply nested arrays)
-            raise ValueError("the json_schema constraint is nested too deeply") from None
+        return Constraint.json_schema(msg.json_schema)
     return Constraint.regex(msg.regex) if kind == "regex" else Constraint.grammar(msg.grammar)
 
 
