@@ -173,7 +173,7 @@ def test_speculation_options_map_onto_sampling_params():
         (
             "json_schema",
             '{"type": "object", "required": ["a"]}',
-            Constraint.json_schema({"required": ["a"], "type": "object"}),
+            Constraint.json_schema({"type": "object", "required": ["a"]}),
         ),
         ("json_schema", "true", Constraint.json_schema(True)),
         ("json_object", True, Constraint.json_object()),
