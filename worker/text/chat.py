@@ -95,7 +95,8 @@ class ChatPrompt:
     tools: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        msgs = tuple(m if isinstance(m, ChatMessage) else ChatMessage(*m) for m in self.messages)
+        given: tuple[Any, ...] = tuple(self.messages)  # (role, content) pairs are taken too
+        msgs = tuple(m if isinstance(m, ChatMessage) else ChatMessage(*m) for m in given)
         for i, m in enumerate(msgs):
             m.check(f"messages[{i}]")
         object.__setattr__(self, "messages", msgs)
