@@ -61,7 +61,9 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     spec: SpecStats | None = None  # speculative decoding counters; None when the request did not speculate
-    constraint_unfinished: bool = False  # finished (by length, a stop string, an abort) before its constraint was complete
+    constraint_unfinished: bool = (
+        False  # finished (by length, a stop string, an abort) before its constraint was complete
+    )
 
     @property
     def num_spec_proposed(self) -> int:

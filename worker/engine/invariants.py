@@ -4,13 +4,26 @@ speculation, grammar) only for the requests still unfinished."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.core.block_manager import BlockManager
+from draftwise.worker.core.scheduler import Scheduler
+from draftwise.worker.sampling.grammar import Grammars
+from draftwise.worker.speculative.decoder import SpecDecoder
+from draftwise.worker.text.output_processor import OutputProcessor
 
 
-def check_running(engine: LLMEngine) -> None:
+class EngineParts(Protocol):
+    """What the checks read of an engine (``LLMEngine``)."""
+
+    scheduler: Scheduler
+    blocks: BlockManager
+    spec: SpecDecoder | None
+    output: OutputProcessor
+    grammars: Grammars
+
+
+def check_running(engine: EngineParts) -> None:
     """Every block (target pool, and the draft pool with a draft model) is owned once by the request
     holding it, or free; speculation, text and grammar state only for unfinished requests."""
     reqs = [*engine.scheduler.running, *engine.scheduler.waiting]
@@ -23,7 +36,7 @@ def check_running(engine: LLMEngine) -> None:
         raise AssertionError(f"text or grammar state kept for requests that are gone: {sorted(stray)}")
 
 
-def check_idle(engine: LLMEngine) -> None:
+def check_idle(engine: EngineParts) -> None:
     """With no request left, every block of every pool is free and no per-request state is left."""
     if engine.scheduler.num_unfinished:
         raise AssertionError(f"{engine.scheduler.num_unfinished} requests unfinished")
@@ -38,4 +51,4 @@ def check_idle(engine: LLMEngine) -> None:
         raise AssertionError(f"text or grammar state left: {left}")
 
 
-__all__ = ["check_idle", "check_running"]
+__all__ = ["EngineParts", "check_idle", "check_running"]

@@ -175,7 +175,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.intake.build(request_id, prompt, params, arrival_time, prompt_token_ids, continuation)
         if params.constraint is not None:  # ValueError: touches nothing
-            self.grammars.add(request_id, params.constraint, params.stop_token_ids, req.output_token_ids)
+            refused = continuation_spec.grammar_refused if continuation_spec is not None else 0
+            self.grammars.add(request_id, params.constraint, params.stop_token_ids, req.output_token_ids, refused)
         try:
             self.output.add(request_id, req.prompt_token_ids, params, req.output_token_ids)  # ValueError: as above
         except ValueError:

@@ -79,6 +79,8 @@ class Constraint:
                 schema = json.loads(v)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the json_schema constraint is not valid JSON ({e})") from None
+            except RecursionError:
+                raise ValueError("the json_schema constraint is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
             object.__setattr__(

@@ -75,6 +75,14 @@ MAX_CACHED_GRAMMARS = 512
 
 def check_schema(schema: Any) -> None:
     """ValueError if ``schema`` is not a valid JSON Schema or uses a keyword xgrammar would not enforce."""
+
+    try:
+        _check(schema)
+    except RecursionError:
+        raise ValueError("the JSON schema is nested too deeply") from None
+
+
+def _check(schema: Any) -> None:
     import jsonschema
 
     try:
@@ -219,10 +227,16 @@ class Grammars:
         self.masked_rows = 0
 
     def add(
-        self, request_id: str, constraint: Constraint, stop_token_ids: Iterable[int], output: Sequence[int]
+        self,
+        request_id: str,
+        constraint: Constraint,
+        stop_token_ids: Iterable[int],
+        output: Sequence[int],
+        refused: int = 0,
     ) -> None:
         """Start ``request_id``'s matcher; ``output``: tokens it already has (a continuation), which
-        must satisfy the constraint so far (ValueError otherwise). Touches nothing on error."""
+        must satisfy the constraint so far (ValueError otherwise); ``refused``: the drafts its grammar
+        refused before (a continuation's counter). Touches nothing on error."""
         import xgrammar as xgr
 
         if self.compiler is None:
@@ -235,7 +249,7 @@ class Grammars:
                 raise ValueError(
                     f"the continuation's token {i} ({t}) does not satisfy the {constraint.kind} constraint"
                 )
-        self.states[request_id] = _State(matcher)
+        self.states[request_id] = _State(matcher, refused)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
