@@ -52,6 +52,8 @@ class ParsedRequest:
     """Completions with a list of prompts: one request per prompt (choice ``index`` i); else empty."""
     tools: ToolPlan | None = None
     """Chat with tools offered: how to read the output for tool calls (None: plain text)."""
+    constraint_param: str | None = None
+    """The field the request's output constraint came from (named when a worker refuses it)."""
 
 
 def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
@@ -233,7 +235,8 @@ def parse_completion(raw: object) -> ParsedRequest:
     for name in ("tools", "tool_choice"):
         if body.get(name) not in (None, [], ""):
             raise ApiError(400, f"{name}: tool calling is served by /v1/chat/completions, not completions", name)
-    sp = _sampling(body, ("max_tokens",), constraint_from_body(body))
+    constraint = constraint_from_body(body)
+    sp = _sampling(body, ("max_tokens",), constraint)
     if not sp.HasField("max_tokens"):
         sp.max_tokens = 16  # OpenAI's default for completions
     lp = _int(body, "logprobs", 0, 20)
@@ -242,7 +245,8 @@ def parse_completion(raw: object) -> ParsedRequest:
     stream = _bool(body, "stream")
     model = body.get("model") or ""
     starts = tuple(pb.StartGeneration(model=model, prompt=p, sampling_params=sp) for p in prompts)
-    return ParsedRequest(starts[0], stream, _stream_options(body, stream), lp is not None, starts)
+    param = constraint.param if constraint is not None else None
+    return ParsedRequest(starts[0], stream, _stream_options(body, stream), lp is not None, starts, None, param)
 
 
 def _prompt(prompt: object, where: str) -> pb.Prompt:
@@ -277,8 +281,8 @@ def parse_chat(raw: object) -> ParsedRequest:
         fill_message(msg, m, where)
     tools = parse_tools(body)
     chat.tools_json = tools.tools_json
-    found = [c for c in (constraint_from_body(body), tools.constraint) if c is not None]
-    sp = _sampling(body, ("max_tokens", "max_completion_tokens"), one_constraint(found))
+    constraint = one_constraint([c for c in (constraint_from_body(body), tools.constraint) if c is not None])
+    sp = _sampling(body, ("max_tokens", "max_completion_tokens"), constraint)
     want_lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 20)
     if top is not None and not want_lp:
@@ -287,7 +291,8 @@ def parse_chat(raw: object) -> ParsedRequest:
         sp.logprobs = top or 0
     stream = _bool(body, "stream")
     start = pb.StartGeneration(model=body.get("model") or "", prompt=pb.Prompt(chat=chat), sampling_params=sp)
-    return ParsedRequest(start, stream, _stream_options(body, stream), want_lp, tools=tools.plan)
+    param = constraint.param if constraint is not None else None
+    return ParsedRequest(start, stream, _stream_options(body, stream), want_lp, (), tools.plan, param)
 
 
 def _content(content: object, where: str) -> str:

@@ -7,6 +7,7 @@ streamed. A request whose constraint was left incomplete is logged and says so
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import structlog
@@ -20,6 +21,17 @@ from draftwise.gateway.streams import Outbox
 from draftwise.v1 import generation_pb2 as pb
 
 log = structlog.get_logger("draftwise.gateway.openai")
+
+
+_ABOUT_CONSTRAINT = re.compile(r"\bconstraints?\b|JSON schema|json_schema", re.IGNORECASE)
+
+
+def name_constraint(e: ApiError, parsed: ParsedRequest) -> ApiError:
+    """``e`` naming the request's constraint field as its ``param`` when it is a worker's refusal
+    of that constraint (a 400 without a param whose message is about the constraint)."""
+    if e.status == 400 and e.param is None and parsed.constraint_param and _ABOUT_CONSTRAINT.search(e.message):
+        e.param = parsed.constraint_param
+    return e
 
 
 def sse(obj: object) -> bytes:
@@ -109,6 +121,7 @@ async def stream(
             sse(chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
         )
     resp = first
+    held: dict[str, Any] = {}  # speculation counters not yet sent (their delta's text was held back)
     try:
         while resp is not None:
             raise_if_error(resp)
@@ -116,25 +129,29 @@ async def stream(
             kind = ev.WhichOneof("kind")
             if kind == "delta":
                 d = ev.delta
-                extra = {"speculation": P.speculation(d.speculation)} if d.HasField("speculation") else {}
+                if d.HasField("speculation"):  # cumulative: the latest is the one to send
+                    held["speculation"] = P.speculation(d.speculation)
                 lp = list(d.logprobs) if parsed.logprobs else None
                 if chat:
                     delta = T.delta(parser.feed(d.text)) if parser is not None else {"content": d.text}
-                    if parser is None or delta or lp or extra:  # with tools, text held back sends nothing
+                    if parser is None or delta or lp:  # with tools, text held back sends nothing (yet)
                         c = {"delta": delta, "logprobs": P.chat_logprobs(lp) if lp is not None else None}
-                        await http.write(sse(chunk(dict(c, finish_reason=None), **extra)))
+                        await http.write(sse(chunk(dict(c, finish_reason=None), **held)))
+                        held.clear()
                 else:
                     c = {"text": d.text, "logprobs": P.completion_logprobs(lp) if lp is not None else None}
-                    await http.write(sse(chunk(dict(c, finish_reason=None), **extra)))
+                    await http.write(sse(chunk(dict(c, finish_reason=None), **held)))
+                    held.clear()
             elif kind == "finished":
                 fin = ev.finished
                 if parser is not None:
                     rest = T.delta(parser.finish())
                     if rest:
-                        await http.write(sse(chunk({"delta": rest, "logprobs": None, "finish_reason": None})))
+                        await http.write(sse(chunk({"delta": rest, "logprobs": None, "finish_reason": None}, **held)))
+                        held.clear()
                 c = {"delta": {}} if chat else {"text": ""}
                 fields = _finish(rid, fin, parser.calls if parser is not None else 0)
-                await http.write(sse(chunk(dict(c, logprobs=None, **fields))))
+                await http.write(sse(chunk(dict(c, logprobs=None, **fields), **held)))
                 if parsed.include_usage:
                     await http.write(sse(dict(chunk(None), usage=P.usage(fin.usage))))
                 break

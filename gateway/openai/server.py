@@ -225,7 +225,10 @@ class OpenAIServer:
         relay, outbox, model = self._relay(request, rid, parsed.start)
         try:
             first = await outbox.get()
-            raise_if_error(first)
+            try:
+                raise_if_error(first)
+            except ApiError as e:  # refused before it started: a worker's refusal of the constraint names its field
+                raise R.name_constraint(e, parsed) from None
             if parsed.stream:
                 return await R.stream(request, parsed, chat, rid, model, outbox, first)
             choice, usage, spec = await R.collect(rid, parsed, chat, outbox, first)
@@ -247,9 +250,12 @@ class OpenAIServer:
                 outboxes.append(outbox)
             if parsed.stream:
                 return await R.stream_batch(request, parsed, rid, model, outboxes)
-            results = await asyncio.gather(
-                *(R.collect(f"{rid}-{i}", parsed, False, ob, None) for i, ob in enumerate(outboxes))
-            )
+            try:
+                results = await asyncio.gather(
+                    *(R.collect(f"{rid}-{i}", parsed, False, ob, None) for i, ob in enumerate(outboxes))
+                )
+            except ApiError as e:
+                raise R.name_constraint(e, parsed) from None
         finally:
             for relay in relays:
                 relay.cancel()

@@ -151,6 +151,8 @@ def schema_constraint(schema: object, where: str, text_ok: bool = False) -> Cons
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except ValueError as e:  # NaN or Infinity in the schema: not JSON a worker can read back
         raise ApiError(400, f"{where} is not valid JSON: {e}", where) from None
+    except RecursionError:
+        raise ApiError(400, f"{where} is nested too deeply", where) from None
     _check_size(text, where)
     return ConstraintSpec("json_schema", text, where)
 

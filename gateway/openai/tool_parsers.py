@@ -105,7 +105,10 @@ def as_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
             return None
     if not isinstance(args, dict):
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    try:
+        return obj["name"], json.dumps(args, ensure_ascii=False)
+    except RecursionError:
+        return None
 
 
 def _held_prefix(text: str, token: str) -> int:

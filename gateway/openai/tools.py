@@ -113,11 +113,14 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest:
             f"tool_choice names the function {named!r:.80}, which is not among the tools ({', '.join(by_name)[:200]})",
             "tool_choice.function.name",
         )
-    tools_json = json.dumps([t.definition() for t in tools], ensure_ascii=False)
+    try:
+        tools_json = json.dumps([t.definition() for t in tools], ensure_ascii=False)
+    except RecursionError:
+        raise ApiError(400, "tools are nested too deeply", "tools") from None
     parallel = parallel is not False
     plan = ToolPlan(mode, frozenset(by_name), named, parallel)
     constraint = None
-    if mode == "required":
+    if mode == "required":  # (its schema nests the tools' parameters 5 deeper: checked like them)
         constraint = schema_constraint(required_schema(tools, parallel), "tool_choice")
     elif named is not None:
         constraint = schema_constraint(by_name[named].parameters, "tool_choice")

@@ -196,3 +196,19 @@ def test_speculation_reports_grammar_refused_tokens() -> None:
     s = pb.SpeculationStats(proposed_tokens=10, accepted_tokens=6, grammar_refused_tokens=3)
     out = P.speculation(s)
     assert out is not None and out["grammar_refused_tokens"] == 3 and out["proposed_tokens"] == 10
+
+
+def test_a_schema_nested_past_the_recursion_limit_is_a_400() -> None:
+    """A schema deeper than Python's recursion limit (built here without recursion) is refused,
+    never a 500."""
+    deep: dict[str, object] = {}
+    for _ in range(5000):
+        deep = {"a": deep}
+    for parse, base in ((parse_chat, {"messages": MSG}), (parse_completion, {"prompt": "p"})):
+        with pytest.raises(ApiError, match="nested too deeply") as err:
+            parse({**base, "guided_json": deep})
+        assert err.value.param == "guided_json"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    with pytest.raises(ApiError, match="nested too deeply") as err:
+        parse_chat({"messages": MSG, "tools": tools})
+    assert err.value.param == "tools[0].function.parameters"
