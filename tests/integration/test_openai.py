@@ -136,6 +136,7 @@ def test_chat_completion_equals_grpc_and_counts_in_metrics(server: Server) -> No
         "acceptance_rate",
         "mean_accepted_length",
         "verify_steps",
+        "grammar_refused_tokens",
     }
     assert spec["verify_steps"] >= 1
     after = scrape_metrics(server.serve.metrics_port)
@@ -239,7 +240,7 @@ def _raw(server: Server, path: str, body: bytes | None, key: str | None = KEY) -
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be in"),
         ({"messages": []}, "messages", "messages must be a non-empty list"),
         ({"messages": [{"role": "user", "content": "def f(x):\n" * 400}]}, None, "render to a prompt of"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling is not supported"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only function tools"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ],
 )

@@ -120,7 +120,11 @@ def test_bad_completions(body: object, param: str | None, match: str) -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content", "only text"),
         ({"messages": MSG, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"messages": MSG, "n": 3}, "n", "n must be 1"),
-        ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format", "only"),
+        (
+            {"messages": MSG, "response_format": {"type": "yaml"}},
+            "response_format.type",
+            "must be .text., .json_object. or .json_schema.",
+        ),
         ({"messages": MSG, "tool_choice": "auto"}, "tool_choice", "tool calling"),
     ],
 )

@@ -287,17 +287,19 @@ class Grammars:
     ) -> None:
         """Fill ``mask`` rows ``first_row .. first_row + len(drafts)`` for ``request_id``: the mask of its
         output, then of its output followed by each draft the grammar allows; the rows after a refused
-        draft keep whatever they hold (all allowed). Counts the refused drafts."""
+        draft, or after a stop token, keep what they hold (all allowed: never read). Counts the refused drafts."""
         st = self.states[request_id]
         m = st.matcher
         m.fill_next_token_bitmask(mask, first_row)
         taken = 0
         for j, d in enumerate(drafts):
             word = int(mask[first_row + j, d >> 5])
-            if m.is_terminated() or not (word >> (d & 31)) & 1 or not m.accept_token(int(d)):
+            if not (word >> (d & 31)) & 1 or not m.accept_token(int(d)):
                 st.refused += len(drafts) - j
                 break
             taken += 1
+            if m.is_terminated():  # a stop token: the output ends there, the rows after it are never read
+                break
             m.fill_next_token_bitmask(mask, first_row + j + 1)
         if taken:
             m.rollback(taken)
