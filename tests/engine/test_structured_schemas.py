@@ -54,7 +54,15 @@ ALLOWED_KEYWORDS = {
     "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
     "minLength", "maxLength", "minimum", "maximum", "minItems", "maxItems", "$defs", "$ref",
 }  # fmt: skip
-SPEC = {"off": {}, "ngram": {"speculative_method": "ngram"}, "draft": {"speculative_model": "default"}}
+FIXED_K = {"num_speculative_tokens": 3, "speculative_adaptive": False}
+SPEC = {
+    "off": {},
+    "ngram": {"speculative_method": "ngram", **FIXED_K},
+    "draft": {"speculative_model": "default", **FIXED_K},
+}
+"""Speculation at a fixed k: the adaptive policy switches drafting off where a batch this large makes
+it not pay on a CPU, and the suite is about what drafting does to constrained output."""
+MODES = ("greedy", "sampled")
 
 
 @functools.cache
@@ -195,23 +203,23 @@ def _walk_verdict(out: bytes, validator: Any) -> str:
     return "ok"
 
 
-def test_random_walks_through_the_grammar_validate():
-    """Three walks per schema with xgrammar alone, each token drawn among those the mask allows
-    (the stop token half the time it is allowed, whitespace seldom): every output that does not
-    hit a known xgrammar defect parses and validates; the defects are counted and shown."""
+def _random_walks(compile_schema, walks: int = 3) -> tuple[dict[str, int], list[str]]:
+    """``walks`` walks per schema through ``compile_schema(schema)``'s grammar, each token drawn
+    among those the mask allows (the stop token half the time it is allowed, whitespace seldom):
+    (how many outputs got each verdict of ``_walk_verdict``, the outputs that are "invalid")."""
     import xgrammar as xg
 
-    compiler, vocab = _xgrammar()
+    _, vocab = _xgrammar()
     rng = random.Random(SEED)
     is_space = np.array([bool(b) and not b.strip() for b in vocab])
     bitmask = xg.allocate_token_bitmask(1, len(vocab))
     verdicts: dict[str, int] = {}
     bad: list[str] = []
     for s in SCHEMAS:
-        compiled = compiler.compile_json_schema(json.dumps(s))
+        compiled = compile_schema(s)
         stop = set(compiled.tokenizer_info.stop_token_ids)
         validator = jsonschema.Draft202012Validator(s)
-        for _ in range(3):
+        for _ in range(walks):
             m = xg.GrammarMatcher(compiled)
             out = b""
             for _ in range(400):
@@ -228,11 +236,37 @@ def test_random_walks_through_the_grammar_validate():
             verdict = _walk_verdict(out, validator)
             key = verdict.split(":")[0]
             verdicts[key] = verdicts.get(key, 0) + 1
-            if key == "invalid":
+            if key != "ok":
                 bad.append(f"{verdict} for {json.dumps(s)}")
-    print(f"random walks: {verdicts}")
-    assert not bad, bad[:5]
-    assert verdicts.get("ok", 0) >= 0.5 * 3 * len(SCHEMAS), verdicts
+    return verdicts, bad
+
+
+def test_random_walks_through_the_grammar_validate():
+    """With xgrammar alone: every walk's output that does not hit a known xgrammar defect
+    ("control", "surrogate") parses and validates; the defects are counted and shown."""
+    compiler, _ = _xgrammar()
+    verdicts, bad = _random_walks(lambda s: compiler.compile_json_schema(json.dumps(s)))
+    print(f"random walks, xgrammar: {verdicts}")
+    invalid = [b for b in bad if b.startswith("invalid")]
+    assert not invalid, invalid[:5]
+    assert verdicts.get("ok", 0) >= 0.9 * 3 * len(SCHEMAS), verdicts
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="xgrammar 0.2.9 admits raw U+0000-U+001F (but CR, LF) in strings with minLength/maxLength"
+    " (mlc-ai/xgrammar#800): invalid JSON that the engine's grammar lets through",
+)
+def test_random_walks_through_the_engines_grammars_validate():
+    """The grammars the engine compiles (``GrammarCompiler.compile``, what a request is masked
+    with): every walk's output is UTF-8 JSON that validates, known xgrammar defects included."""
+    from draftwise.worker.sampling.grammar import GrammarCompiler
+
+    tok = load_tokenizer(resolve_model(None)).hf
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    verdicts, bad = _random_walks(lambda s: compiler.compile(Constraint.json_schema(s)))
+    print(f"random walks, the engine's grammars: {verdicts}")
+    assert not bad, f"{len(bad)} bad outputs: {bad[:5]}"
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -259,23 +293,23 @@ def _params(mode: str) -> list[SamplingParams]:
 
 @functools.cache
 def _run(config: str) -> dict[str, Any]:
-    """One engine for ``config``; every schema at once, greedy then sampled. Per mode: the final
-    outputs in schema order and the seconds it took."""
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, max_num_seqs=256, **SPEC[config]))
-    result: dict[str, Any] = {}
-    for mode in ("greedy", "sampled"):
-        t0 = time.perf_counter()
+    """One engine for ``config``; every schema at once, greedy and sampled together (one batch of
+    2 x N_SCHEMAS requests). The final outputs per mode in schema order, and the seconds it took."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, max_num_seqs=2 * N_SCHEMAS, **SPEC[config]))
+    t0 = time.perf_counter()
+    for mode in MODES:
         for i, (s, p) in enumerate(zip(SCHEMAS, _params(mode), strict=True)):
             engine.add_request(f"{mode}-{i}", _prompt(s), p)
-        outs: dict[str, Any] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step().finished:
-                outs[o.request_id] = o
-        engine.check_idle_invariants()
-        assert engine.dead is None
-        result[mode] = [outs[f"{mode}-{i}"] for i in range(len(SCHEMAS))]
-        result[f"{mode}_seconds"] = time.perf_counter() - t0
-    return result
+    outs: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step().finished:
+            outs[o.request_id] = o
+        steps += 1
+    engine.check_idle_invariants()
+    assert engine.dead is None
+    result: dict[str, Any] = {mode: [outs[f"{mode}-{i}"] for i in range(len(SCHEMAS))] for mode in MODES}
+    return result | {"seconds": time.perf_counter() - t0, "steps": steps}
 
 
 def _check_outputs(outs: list[Any]) -> tuple[list[str], dict[str, int]]:
@@ -304,7 +338,7 @@ def _check_outputs(outs: list[Any]) -> tuple[list[str], dict[str, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config", list(SPEC))
 def test_finished_outputs_validate(config: str, mode: str):
     run = _run(config)
@@ -315,7 +349,7 @@ def test_finished_outputs_validate(config: str, mode: str):
     refused = sum(o.outputs[0].spec.grammar_refused for o in outs if o.outputs[0].spec is not None)
     print(
         f"\n{config}/{mode}: {ends}, {stopped:.1%} finished, {tokens} tokens,"
-        f" grammar refused {refused} drafts, {run[f'{mode}_seconds']:.1f} s"
+        f" grammar refused {refused} drafts; the engine ran both modes in {run['steps']} steps, {run['seconds']:.1f} s"
     )
     assert not problems, f"{len(problems)} bad outputs: {problems[:5]}"
     assert stopped >= MIN_FINISHED, ends
@@ -333,3 +367,5 @@ def test_constrained_greedy_is_exact_under_speculation(config: str):
         if a.outputs[0].token_ids != b.outputs[0].token_ids
     ]
     assert not differ, f"{len(differ)} of {len(plain)} differ: {differ[:5]}"
+    refused = sum(o.outputs[0].spec.grammar_refused for o in spec if o.outputs[0].spec is not None)
+    assert refused > 0, "no draft was refused by a grammar: the masks of verify windows went untested"
