@@ -156,9 +156,17 @@ class SchemaGen:
 
 
 def generate_schemas(n: int = 240, seed: int = 0) -> list[Schema]:
-    """``n`` schemas from ``seed`` (the same list every time)."""
+    """``n`` distinct schemas from ``seed`` (the same list every time)."""
     gen = SchemaGen(seed)
-    return [gen.schema() for _ in range(n)]
+    out: list[Schema] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        s = gen.schema()
+        key = json.dumps(s, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
 
 
 def _resolve(s: Schema, root: Schema) -> Schema:

@@ -44,7 +44,7 @@ from tests.engine.schema_gen import (
     summary,
 )
 
-N_SCHEMAS = 240
+N_SCHEMAS = 200
 SEED = 2027
 MAX_TOKENS = 160
 MIN_FINISHED = 0.8
@@ -54,7 +54,7 @@ ALLOWED_KEYWORDS = {
     "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
     "minLength", "maxLength", "minimum", "maximum", "minItems", "maxItems", "$defs", "$ref",
 }  # fmt: skip
-FIXED_K = {"num_speculative_tokens": 3, "speculative_adaptive": False}
+FIXED_K = {"num_speculative_tokens": 2, "speculative_adaptive": False}
 SPEC = {
     "off": {},
     "ngram": {"speculative_method": "ngram", **FIXED_K},
@@ -97,7 +97,7 @@ def _walk_schema(s: Any, depth: int, visit) -> None:
 def test_generator_is_seeded_varied_and_bounded():
     assert generate_schemas(N_SCHEMAS, SEED) == SCHEMAS
     assert generate_schemas(N_SCHEMAS, SEED + 1) != SCHEMAS
-    assert len({json.dumps(s, sort_keys=True) for s in SCHEMAS}) >= 200
+    assert len({json.dumps(s, sort_keys=True) for s in SCHEMAS}) == len(SCHEMAS) >= 200
     problems: list[str] = []
 
     def check(node: Schema, depth: int) -> None:
@@ -255,7 +255,8 @@ def test_random_walks_through_the_grammar_validate():
 @pytest.mark.xfail(
     strict=True,
     reason="xgrammar 0.2.9 admits raw U+0000-U+001F (but CR, LF) in strings with minLength/maxLength"
-    " (mlc-ai/xgrammar#800): invalid JSON that the engine's grammar lets through",
+    " (mlc-ai/xgrammar#800) and the UTF-8 of surrogates U+D800-U+DFFF in any string: outputs that are"
+    " not JSON, or not UTF-8, which the engine's grammars let through",
 )
 def test_random_walks_through_the_engines_grammars_validate():
     """The grammars the engine compiles (``GrammarCompiler.compile``, what a request is masked
