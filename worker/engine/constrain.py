@@ -30,6 +30,8 @@ def mask_logits(
     """Mask the rows of the constrained requests among ``plain`` and ``verify``; returns them
     without the requests whose matcher failed, and those as failures (their rows unmasked: the
     engine finishes them)."""
+    if not grammars.states:
+        return plain, verify, []
     work: list[tuple[Request, int, list[int]]] = [(r, row, []) for r, row in plain if r.request_id in grammars]
     for s, row in verify:
         if s.request.request_id in grammars:

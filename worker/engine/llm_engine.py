@@ -100,6 +100,8 @@ class LLMEngine:
         self.spec_method: str | None = None if self.spec is None else self.spec.method
         k = config.max_draft_tokens
         draft_runner = self.proposer.runner if self.proposer is not None else None
+        if self.proposer is not None:  # constrained requests draft under their grammar
+            self.proposer.draft_mask = self.grammars.mask_draft
         runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
         max_len = self.max_model_len
         self.kernel_warm_up_seconds = warm_up_kernels(runners, config.max_num_seqs, max_batched, max_len + k + 1)
@@ -175,8 +177,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.intake.build(request_id, prompt, params, arrival_time, prompt_token_ids, continuation)
         if params.constraint is not None:  # ValueError: touches nothing
-            refused = continuation_spec.grammar_refused if continuation_spec is not None else 0
-            self.grammars.add(request_id, params.constraint, params.stop_token_ids, req.output_token_ids, refused)
+            self.grammars.add(request_id, params, req.output_token_ids, continuation_spec)
         try:
             self.output.add(request_id, req.prompt_token_ids, params, req.output_token_ids)  # ValueError: as above
         except ValueError:
@@ -264,9 +265,8 @@ class LLMEngine:
             if spec is not None and spec.wants_hidden and scheduled:
                 spec.observe(scheduled, self._hidden)
             plain, verify = logit_rows(scheduled)
-            if self.grammars.states:  # constrained rows: the grammar's masks, in place
-                plain, verify, failed = mask_logits(self.grammars, logits, plain, verify, spec)
-                self._fail(step, failed)
+            plain, verify, failed = mask_logits(self.grammars, logits, plain, verify, spec)  # constrained rows
+            self._fail(step, failed)
             results = self._sample(step, logits, plain) + self._verify(step, logits, verify)
             self.scheduler.update_from_output(scheduled, {v.request.request_id: v.num_accepted for v in results})
             proposed, accepted = self._process(step, results)

@@ -32,11 +32,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from draftwise.worker.sampling.constraints import Constraint
+
+if TYPE_CHECKING:
+    from draftwise.worker.sampling.sampling_params import SamplingParams
 
 UNSUPPORTED_KEYWORDS = frozenset(
     {
@@ -84,9 +87,10 @@ def check_schema(schema: Any) -> None:
 
 def _check(schema: Any) -> None:
     import jsonschema
+    from jsonschema.validators import validator_for
 
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "the root"
         raise ValueError(f"the JSON schema is invalid at {where}: {e.message}") from None
@@ -226,30 +230,26 @@ class Grammars:
         self.mask_seconds = 0.0  # time spent filling and applying masks (host)
         self.masked_rows = 0
 
-    def add(
-        self,
-        request_id: str,
-        constraint: Constraint,
-        stop_token_ids: Iterable[int],
-        output: Sequence[int],
-        refused: int = 0,
-    ) -> None:
-        """Start ``request_id``'s matcher; ``output``: tokens it already has (a continuation), which
-        must satisfy the constraint so far (ValueError otherwise); ``refused``: the drafts its grammar
-        refused before (a continuation's counter). Touches nothing on error."""
+    def add(self, request_id: str, params: SamplingParams, output: Sequence[int], earlier: Any = None) -> None:
+        """Start ``request_id``'s matcher for ``params.constraint`` (its stop tokens: the model's and
+        ``params.stop_token_ids``); ``output``: tokens it already has (a continuation), which must satisfy
+        the constraint so far (ValueError otherwise); ``earlier``: a continuation's ``SpecStats`` (the
+        drafts its grammar refused before) or None. Touches nothing on error."""
         import xgrammar as xgr
 
         if self.compiler is None:
             raise ValueError("constraints need a tokenizer (the engine runs with skip_tokenizer_init)")
+        constraint = params.constraint
+        assert constraint is not None
         compiled = self.compiler.compile(constraint)
-        stops = sorted(set(self.compiler.stop_token_ids) | set(stop_token_ids))
+        stops = sorted(set(self.compiler.stop_token_ids) | set(params.stop_token_ids))
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
         for i, t in enumerate(output):
             if matcher.is_terminated() or not matcher.accept_token(int(t)):
                 raise ValueError(
                     f"the continuation's token {i} ({t}) does not satisfy the {constraint.kind} constraint"
                 )
-        self.states[request_id] = _State(matcher, refused)
+        self.states[request_id] = _State(matcher, getattr(earlier, "grammar_refused", 0))
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -304,6 +304,33 @@ class Grammars:
         if taken:
             m.rollback(taken)
 
+    def mask_draft(self, request_ids: Sequence[str], drafts: Sequence[Sequence[int]], logits: torch.Tensor) -> None:
+        """Drafting under the grammar (a draft model's proposals): row ``i`` of ``logits``, the draft's
+        next-token logits for ``request_ids[i]`` after its output and ``drafts[i]``, keeps only what the
+        request's grammar allows there, so that the draft proposes what the target may accept. Its q is
+        then the masked draft distribution, which the drafts are drawn from: verification stays exact."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.states]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        assert self.compiler is not None
+        mask = self.new_mask(logits.shape[0], self.compiler.vocab_size)
+        used = []
+        for i in rows:
+            m = self.states[request_ids[i]].matcher
+            taken = 0
+            for t in drafts[i]:
+                if m.is_terminated() or not m.accept_token(int(t)):
+                    break
+                taken += 1
+            if taken == len(drafts[i]) and not m.is_terminated():  # else: past a stop token, never read
+                m.fill_next_token_bitmask(mask, i)
+                used.append(i)
+            if taken:
+                m.rollback(taken)
+        self.apply(logits, mask, used)
+        self.mask_seconds += time.perf_counter() - t0
+
     def apply(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
         """Disallowed tokens of ``rows`` of ``logits`` to -inf, in place."""
         import xgrammar as xgr
@@ -312,7 +339,8 @@ class Grammars:
             return
         m = mask.to(logits.device, non_blocking=True) if mask.device != logits.device else mask
         if logits.dtype == torch.float32 or logits.device.type == "cuda":
-            xgr.apply_token_bitmask_inplace(logits, m, vocab_size=self.compiler.vocab_size, indices=rows)
+            vocab = min(logits.shape[1], self.compiler.vocab_size)  # a draft's logits may be narrower
+            xgr.apply_token_bitmask_inplace(logits, m, vocab_size=vocab, indices=rows)
             return
         allowed = _unpack(m[rows], logits.shape[1])  # other dtypes on the CPU: torch ops
         idx = torch.tensor(rows, device=logits.device)

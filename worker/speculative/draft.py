@@ -33,7 +33,7 @@ choices as often as the two distributions allow), the others from the draft's ow
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +90,9 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(loaded, self.kv_cache)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.target_vocab = target_vocab
+        # masks a row of draft logits with its request's grammar (request ids, drafts so far, logits); the
+        # engine sets it (Grammars.mask_draft) so that constrained requests draft what their grammar allows
+        self.draft_mask: Callable[[list[str], Sequence[Sequence[int]], torch.Tensor], None] | None = None
         self.device = loaded.device
         self.kv: dict[str, DraftKV] = {}  # request id -> its draft KV (requests that were proposed for)
 
@@ -154,7 +157,10 @@ class DraftModelProposer(Proposer):
         ``need_q``: the verifier needs q at every drafted position of the batch (some request
         in it samples), so it is built for every row here, greedy rows included (one-hot),
         whichever rows are still drafting at this step. Otherwise, greedy rows with nothing
-        to mask (no penalties, min_tokens met) take the argmax directly and q is not built."""
+        to mask (no penalties, min_tokens met) take the argmax directly and q is not built.
+        Constrained requests draft under their grammar (``draft_mask``, set by the engine)."""
+        if self.draft_mask is not None:
+            self.draft_mask([r.request_id for r in reqs], drafts, logits)
         if not need_q and all(plain_greedy(r, len(d)) for r, d in zip(reqs, drafts, strict=True)):
             return None, [int(t) for t in logits.argmax(dim=-1).tolist()]
         if logits.shape[1] < self.target_vocab:
