@@ -12,9 +12,10 @@ from draftwise.worker.paths import DEFAULT_MODELS_DIR, default_model_path
 
 if TYPE_CHECKING:
     from draftwise.worker.engine.llm import LLM
+    from draftwise.worker.sampling.constraints import Constraint
     from draftwise.worker.sampling.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "default_model_path", "DEFAULT_MODELS_DIR"]
+__all__ = ["LLM", "Constraint", "SamplingParams", "default_model_path", "DEFAULT_MODELS_DIR"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing the package stays cheap
@@ -26,4 +27,8 @@ def __getattr__(name: str) -> Any:  # lazy: importing the package stays cheap
         from draftwise.worker.sampling.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "Constraint":
+        from draftwise.worker.sampling.constraints import Constraint
+
+        return Constraint
     raise AttributeError(f"module 'draftwise.worker' has no attribute {name!r}")
