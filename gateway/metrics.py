@@ -32,6 +32,8 @@ class WorkerCounters(Collector):
     def __init__(self) -> None:
         self.values: dict[str, tuple[int, int]] = {}
         """worker name -> (prefix cache queries, prefix cache hits), in tokens."""
+        self.grammar: dict[str, tuple[int, float, float, int]] = {}
+        """worker name -> (constrained requests, compile seconds, mask seconds, masked steps)."""
 
     def collect(self) -> Iterable[CounterMetricFamily]:
         queries = CounterMetricFamily(
@@ -47,7 +49,29 @@ class WorkerCounters(Collector):
         for name, (q, h) in sorted(list(self.values.items())):  # (a copy: polls update it on the event loop)
             queries.add_metric([name], q)
             hits.add_metric([name], h)
-        return [queries, hits]
+        grammar = [
+            CounterMetricFamily(
+                "draftwise_constrained_requests", "Constrained requests a worker took", labels=["worker"]
+            ),
+            CounterMetricFamily(
+                "draftwise_grammar_compile_seconds",
+                "Seconds a worker spent compiling constraints (each distinct one once)",
+                labels=["worker"],
+            ),
+            CounterMetricFamily(
+                "draftwise_grammar_mask_seconds",
+                "Seconds a worker spent filling and applying constraint masks (per step: rate over "
+                "draftwise_grammar_masked_steps)",
+                labels=["worker"],
+            ),
+            CounterMetricFamily(
+                "draftwise_grammar_masked_steps", "Engine steps that masked rows with a constraint", labels=["worker"]
+            ),
+        ]
+        for name, values in sorted(list(self.grammar.items())):
+            for family, v in zip(grammar, values, strict=True):
+                family.add_metric([name], v)
+        return [queries, hits, *grammar]
 
 
 @dataclass
@@ -200,6 +224,7 @@ class GatewayMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(name)
         self.worker_counters.values.pop(name, None)
+        self.worker_counters.grammar.pop(name, None)
         with contextlib.suppress(KeyError):
             self.worker_healthy.remove(name)
 

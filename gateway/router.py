@@ -317,6 +317,12 @@ class Router:
         m.worker_tokens_per_second.labels(w.name).set(load.tokens_per_second)
         m.kv_cached_blocks.labels(w.name).set(load.num_cached_kv_blocks)
         m.worker_counters.values[w.name] = (load.prefix_cache_queries, load.prefix_cache_hits)
+        m.worker_counters.grammar[w.name] = (
+            load.constrained_requests,
+            load.grammar_compile_seconds,
+            load.grammar_mask_seconds,
+            load.grammar_masked_steps,
+        )
         if self.prefix is not None:
             self.prefix.observe_start(w.name, load.worker_started_at)
         if w.retired:

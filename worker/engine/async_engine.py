@@ -33,6 +33,7 @@ import structlog
 from draftwise.worker.core.block_manager import PrefixCacheStats
 from draftwise.worker.core.outputs import RequestDelta, SpecStats, StepOutput
 from draftwise.worker.engine.llm_engine import EngineDeadError, LLMEngine
+from draftwise.worker.sampling.grammar import GrammarStats
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt
 
@@ -73,6 +74,8 @@ class LoadSnapshot:
     num_total_blocks: int = 0
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     """The prefix cache's lifetime counters (tokens looked up, found) and its cached blocks."""
+    grammar: GrammarStats = GrammarStats()
+    """Structured output's lifetime counters (constrained requests, compile and mask time, masked steps)."""
 
 
 class AsyncEngine:
@@ -132,7 +135,12 @@ class AsyncEngine:
         engine = self.engine
         sched, blocks = engine.scheduler, engine.blocks
         return LoadSnapshot(
-            len(sched.running), len(sched.waiting), blocks.num_free_blocks, blocks.num_blocks, engine.prefix_cache_stats
+            len(sched.running),
+            len(sched.waiting),
+            blocks.num_free_blocks,
+            blocks.num_blocks,
+            engine.prefix_cache_stats,
+            engine.grammars.stats,
         )
 
     def _apply_commands(self) -> None:

@@ -51,6 +51,7 @@ def mask_logits(
     grammars.apply(logits, mask, rows)
     grammars.mask_seconds += time.perf_counter() - t0
     grammars.masked_rows += len(rows)
+    grammars.masked_steps += 1
     if not failed:
         return plain, verify, []
     gone = {f.request.request_id for f in failed}

@@ -215,6 +215,16 @@ def _check_matches_something(compiled: Any, c: Constraint) -> None:
         raise ValueError(f"the {c.kind} constraint can match nothing: no output satisfies it")
 
 
+@dataclass(frozen=True)
+class GrammarStats:
+    """An engine's structured-output counters since it started (GetLoad reports them)."""
+
+    requests: int = 0  # constrained requests added
+    compile_seconds: float = 0.0  # time spent compiling constraints (cache misses)
+    mask_seconds: float = 0.0  # time spent filling and applying masks (host), drafting included
+    masked_steps: int = 0  # steps that masked at least one row
+
+
 @dataclass
 class _State:
     matcher: Any
@@ -229,6 +239,8 @@ class Grammars:
         self.states: dict[str, _State] = {}
         self.mask_seconds = 0.0  # time spent filling and applying masks (host)
         self.masked_rows = 0
+        self.masked_steps = 0
+        self.num_requests = 0  # constrained requests added
 
     def add(self, request_id: str, params: SamplingParams, output: Sequence[int], earlier: Any = None) -> None:
         """Start ``request_id``'s matcher for ``params.constraint`` (its stop tokens: the model's and
@@ -250,6 +262,12 @@ class Grammars:
                     f"the continuation's token {i} ({t}) does not satisfy the {constraint.kind} constraint"
                 )
         self.states[request_id] = _State(matcher, getattr(earlier, "grammar_refused", 0))
+        self.num_requests += 1
+
+    @property
+    def stats(self) -> GrammarStats:
+        compile_s = 0.0 if self.compiler is None else self.compiler.stats.seconds
+        return GrammarStats(self.num_requests, compile_s, self.mask_seconds, self.masked_steps)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -359,4 +377,4 @@ def _unpack(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed.reshape(mask.shape[0], -1)[:, :vocab_size]
 
 
-__all__ = ["UNSUPPORTED_KEYWORDS", "GrammarCompiler", "Grammars", "check_schema"]
+__all__ = ["UNSUPPORTED_KEYWORDS", "GrammarCompiler", "GrammarStats", "Grammars", "check_schema"]

@@ -177,6 +177,10 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
             prefix_cache_hits=load.prefix_cache.hits,
             num_cached_kv_blocks=load.prefix_cache.cached_blocks,
             worker_started_at=self.started_at,
+            constrained_requests=load.grammar.requests,
+            grammar_compile_seconds=load.grammar.compile_seconds,
+            grammar_mask_seconds=load.grammar.mask_seconds,
+            grammar_masked_steps=load.grammar.masked_steps,
         )
 
     async def Drain(self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext) -> wpb.DrainResponse:  # noqa: N802

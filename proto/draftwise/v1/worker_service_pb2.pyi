@@ -25,7 +25,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("model", "num_requests_running", "num_requests_waiting", "num_free_kv_blocks", "num_total_kv_blocks", "tokens_per_second", "draining", "prefix_cache_queries", "prefix_cache_hits", "num_cached_kv_blocks", "worker_started_at")
+    __slots__ = ("model", "num_requests_running", "num_requests_waiting", "num_free_kv_blocks", "num_total_kv_blocks", "tokens_per_second", "draining", "prefix_cache_queries", "prefix_cache_hits", "num_cached_kv_blocks", "worker_started_at", "constrained_requests", "grammar_compile_seconds", "grammar_mask_seconds", "grammar_masked_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,10 @@ class GetLoadResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASKED_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_requests_running: int
     num_requests_waiting: int
@@ -48,7 +52,11 @@ class GetLoadResponse(_message.Message):
     prefix_cache_hits: int
     num_cached_kv_blocks: int
     worker_started_at: float
-    def __init__(self, model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., worker_started_at: _Optional[float] = ...) -> None: ...
+    constrained_requests: int
+    grammar_compile_seconds: float
+    grammar_mask_seconds: float
+    grammar_masked_steps: int
+    def __init__(self, model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_kv_blocks: _Optional[int] = ..., worker_started_at: _Optional[float] = ..., constrained_requests: _Optional[int] = ..., grammar_compile_seconds: _Optional[float] = ..., grammar_mask_seconds: _Optional[float] = ..., grammar_masked_steps: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("wait", "resume")
