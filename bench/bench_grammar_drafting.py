@@ -9,9 +9,10 @@ hardware-independent figure) and wall time, against plain decoding of the same r
 
 Workload: ``--requests`` generated JSON schemas (tests/engine/schema_gen.py, bounded, the suite's
 generator) with one prompt, greedy and at temperature 0.8 (seeded), all submitted at once to one
-in-process engine per configuration, k = ``--k`` fixed.
+in-process engine per configuration whose batch holds at most C of them (``--concurrency``: 1, one
+request at a time; 40, all together), k = ``--k`` fixed.
 
-    python bench/bench_grammar_drafting.py [--model MODEL] [--requests 40] [--k 4] [--max-tokens 120]
+    python bench/bench_grammar_drafting.py [--model MODEL] [--requests 40] [--concurrency 1,40] [--k 4]
 
 The default model drafts with the embedded draft model; another ``--model`` needs
 ``--speculative-model``. Run it on a quiet machine: the wall-time ratios come from one run.
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--speculative-model", default="default")
     ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--concurrency", default="1,40", help="the engine's max_num_seqs, one run per value")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--threads", type=int, default=2)
@@ -96,24 +98,25 @@ def main() -> None:
         print(f"warning: load average {load:.2f}: the machine is busy, timings are not comparable", file=sys.stderr)
     torch.set_num_threads(args.threads)
     configure_logging("console", "warning")
-    base: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": max(args.requests, 1)}
-    if not is_default_model(args.model):
-        base["model"] = args.model
-    spec = base | {
-        "speculative_model": args.speculative_model,
-        "num_speculative_tokens": args.k,
-        "speculative_adaptive": False,
-    }
     schemas = generate_schemas(args.requests, seed=5)
     rows = []
-    for temp in (0.0, 0.8):
-        plain = run(base, schemas, temp, args.max_tokens, None)
-        rows.append(plain)
-        for masked in (False, True):
-            r = run(spec, schemas, temp, args.max_tokens, masked)
-            r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
-            rows.append(r)
-            print(r, flush=True)
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        base: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": c}
+        if not is_default_model(args.model):
+            base["model"] = args.model
+        spec = base | {
+            "speculative_model": args.speculative_model,
+            "num_speculative_tokens": args.k,
+            "speculative_adaptive": False,
+        }
+        for temp in (0.0, 0.8):
+            plain = run(base, schemas, temp, args.max_tokens, None) | {"concurrency": c}
+            rows.append(plain)
+            for masked in (False, True):
+                r = run(spec, schemas, temp, args.max_tokens, masked) | {"concurrency": c}
+                r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+                rows.append(r)
+                print(r, flush=True)
     result = {
         "command": "python bench/bench_grammar_drafting.py " + shlex.join(sys.argv[1:]),
         "machine": machine(),
@@ -138,19 +141,21 @@ def render(r: dict, args: argparse.Namespace) -> str:
         f"Command: `{r['command']}` — {time.strftime('%Y-%m-%d')}, {r['machine']}, load average {r['load_average']:.2f}",
         "",
         f"{args.requests} generated JSON schemas (tests/engine/schema_gen.py, seed 5), one prompt, at most"
-        f" {args.max_tokens} tokens, all at once in one in-process engine; draft model at k = {args.k} fixed."
+        f" {args.max_tokens} tokens, all at once in one in-process engine whose batch holds at most C (1: one at a"
+        f" time); draft model at k = {args.k} fixed (no adaptive policy, which would turn drafting off where it"
+        " does not pay)."
         " `unmasked`: the draft proposes as it would unconstrained and the grammar refuses what it forbids;"
         " `masked`: the draft's logits are masked by the request's grammar at each drafted position (the"
         " engine's behaviour). Both exact; tok/s against plain decoding of the same requests, same run.",
         "",
-        "| temperature | drafting | output tok/s | vs plain | drafts refused by the grammar | acceptance |"
+        "| C | temperature | drafting | output tok/s | vs plain | drafts refused by the grammar | acceptance |"
         " mean accepted length |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for x in r["rows"]:
         mode = {None: "plain (no speculation)", False: "unmasked", True: "masked"}[x["masked_drafting"]]
         lines.append(
-            f"| {x['temperature']} | {mode} | {x['tokens_per_s']:.1f} | {_f(x.get('vs_plain'), '.2f')}"
+            f"| {x['concurrency']} | {x['temperature']} | {mode} | {x['tokens_per_s']:.1f} | {_f(x.get('vs_plain'), '.2f')}"
             f"{'x' if x.get('vs_plain') else ''} | {_f(x['refused_share'], '.1%')} | {_f(x['acceptance_rate'], '.1%')}"
             f" | {_f(x['mean_accepted_length'], '.2f')} |"
         )
