@@ -181,6 +181,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return compiled
 
+    def _compile_json(self, schema: str, strict: bool) -> Any:
+        return self._xgr().compile_grammar(_json_ebnf(schema, strict), root_rule_name="root")
+
     def _compile(self, c: Constraint) -> Any:
         compiler = self._xgr()
         try:
@@ -188,11 +191,11 @@ class GrammarCompiler:
                 check_schema(c.schema)
                 assert isinstance(c.value, str)
                 try:
-                    return compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=True)
+                    return self._compile_json(c.value, strict=True)
                 except RuntimeError:  # strict mode (no extra items or properties) can refuse a valid schema
-                    return compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=False)
+                    return self._compile_json(c.value, strict=False)
             if c.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return self._compile_json('{"type": "object"}', strict=False)
             if c.kind == "regex":
                 return compiler.compile_regex(c.value)
             if c.kind == "grammar":
@@ -201,6 +204,26 @@ class GrammarCompiler:
             return compiler.compile_grammar(_choice_grammar(c.value), root_rule_name="root")
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"the {c.kind} constraint cannot be compiled: {_clean(e)}") from None
+
+
+def _json_ebnf(schema: str, strict: bool) -> str:
+    """xgrammar's grammar for ``schema`` (compact JSON), with its string characters closed to what JSON
+    and UTF-8 allow: xgrammar 0.2.9 admits raw U+0000-U+001F in length-bounded strings
+    (mlc-ai/xgrammar#800) and the UTF-8 encoding of surrogates in every string, outputs that are not
+    JSON or not UTF-8."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+    for hole, closed in _STRING_CLASSES:
+        ebnf = ebnf.replace(hole, closed)
+    return ebnf
+
+
+_STRING_CLASSES = (
+    (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\ud800-\udfff]"),
+    (r"[^\0-\x1f\"\\\r\n]", r"[^\0-\x1f\"\\\r\n\ud800-\udfff]"),
+)
+"""xgrammar's string character classes (EBNF text) and what they become: no control characters, no surrogates."""
 
 
 def _check_matches_something(compiled: Any, c: Constraint) -> None:
