@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--no-publish", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    configure_logging("warning")
+    configure_logging("console", "warning")
     levels = [int(c) for c in args.concurrency.split(",")]
     base = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": max(levels), "num_kv_blocks": 2048}
     if args.model and not is_default_model(args.model):
