@@ -104,6 +104,16 @@ INVALID: list[tuple[str, Any, dict[str, Any]]] = [
     ("max_speculative_tokens", 0, {}),
     ("max_speculative_tokens", 2.0, {}),
     ("max_speculative_tokens", True, {}),
+    ("constraint", "json", {}),
+    ("constraint", {"kind": "xml", "value": "a"}, {}),
+    ("constraint", {"kind": "regex", "value": ""}, {}),
+    ("constraint", {"kind": "json_schema", "value": "{"}, {}),
+    ("constraint", {"kind": "json_schema", "value": "[1]"}, {}),
+    ("constraint", {"kind": "choice", "value": []}, {}),
+    ("constraint", {"kind": "choice", "value": ["a", ""]}, {}),
+    ("constraint", {"kind": "json_object", "value": "x"}, {}),
+    ("constraint", {"kind": "json_object"}, {"ignore_eos": True}),
+    ("constraint", {"kind": "json_object"}, {"min_tokens": 1}),
 ]
 
 

@@ -82,7 +82,9 @@ class Constraint:
             except RecursionError:
                 raise ValueError("the json_schema constraint is nested too deeply") from None
             if not isinstance(schema, dict | bool):
-                raise ValueError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+                raise ValueError(
+                    f"the json_schema constraint must be an object or a boolean, got {type(schema).__name__}"
+                )
             object.__setattr__(
                 self, "value", json.dumps(schema, separators=(",", ":"))
             )  # key order kept: it is the output order
@@ -95,7 +97,7 @@ class Constraint:
             raise ValueError(f"a choice constraint may list at most {MAX_CHOICES} strings, got {len(v)}")
         for s in v:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"the choices must be non-empty strings, got {s!r:.60}")
+                raise ValueError(f"a choice constraint's options must be non-empty strings, got {s!r:.60}")
         if sum(len(s.encode()) for s in v) > MAX_CONSTRAINT_BYTES:
             raise ValueError(f"the choices are larger than {MAX_CONSTRAINT_BYTES} bytes in total")
 
