@@ -332,9 +332,10 @@ class Grammars:
         st = self.states[request_id]
         m = st.matcher
         m.fill_next_token_bitmask(mask, first_row)
+        words = mask.numpy()  # a view: reads the rows as they are filled, without a tensor index per draft
         taken = 0
         for j, d in enumerate(drafts):
-            word = int(mask[first_row + j, d >> 5])
+            word = int(words[first_row + j, d >> 5])
             if not (word >> (d & 31)) & 1 or not m.accept_token(int(d)):
                 st.refused += len(drafts) - j
                 break
