@@ -12,6 +12,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
+MAX_TENSOR_PARALLEL = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class EngineConfig:
     seed: int = 0  # seeds the RNG of requests that bring no seed of their own
     enforce_eager: bool = False  # never use CUDA graphs (graph capture is CUDA-only; CPU is always eager)
     retain_freed_memory: bool = True  # glibc: keep freed heap memory in the process (worker/engine/host_memory.py)
+    tensor_parallel_size: int = 1  # rank processes one worker shards the target across (torch.distributed: gloo on CPU, NCCL on CUDA)
     # --- speculative decoding (docs/engine.md); all unset: no speculation
     speculative_model: str | Path | None = (
         None  # draft checkpoint folder, or "default": the embedded draft; eagle/medusa: a head folder (None: the head shipped for the target)
@@ -69,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], got {self.tensor_parallel_size}")
         self._check_speculation()
 
     def _check_speculation(self) -> None:
