@@ -38,7 +38,9 @@ class EngineConfig:
     seed: int = 0  # seeds the RNG of requests that bring no seed of their own
     enforce_eager: bool = False  # never use CUDA graphs (graph capture is CUDA-only; CPU is always eager)
     retain_freed_memory: bool = True  # glibc: keep freed heap memory in the process (worker/engine/host_memory.py)
-    tensor_parallel_size: int = 1  # rank processes one worker shards the target across (torch.distributed: gloo on CPU, NCCL on CUDA)
+    tensor_parallel_size: int = (
+        1  # rank processes one worker shards the target across (torch.distributed: gloo on CPU, NCCL on CUDA)
+    )
     # --- speculative decoding (docs/engine.md); all unset: no speculation
     speculative_model: str | Path | None = (
         None  # draft checkpoint folder, or "default": the embedded draft; eagle/medusa: a head folder (None: the head shipped for the target)
@@ -72,13 +74,20 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
-            raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], got {self.tensor_parallel_size}"
+            )
         self._check_speculation()
 
     def _check_speculation(self) -> None:
         method = self.speculative_method
         if method is not None and method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if method in ("eagle", "medusa") and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"speculative_method={method!r} does not run with tensor_parallel_size > 1 yet (the head reads the "
+                "target's embedding and LM head, which the ranks split): use 'draft', 'ngram' or 'suffix'"
+            )
         if method in ("ngram", "suffix") and self.speculative_model is not None:
             raise ValueError(f"speculative_method={method!r} needs no draft checkpoint: leave speculative_model unset")
         if self.suffix_cache_max_tokens is not None and (method != "suffix" or self.suffix_cache_max_tokens < 1):

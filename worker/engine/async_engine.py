@@ -257,6 +257,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_ranks()  # a tensor-parallel rank that died stops the engine, idle or not
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

@@ -9,6 +9,7 @@ while engine.has_unfinished_requests():
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,15 +31,16 @@ from draftwise.worker.core.containment import (
 from draftwise.worker.core.outputs import SpecStats, StepOutput
 from draftwise.worker.core.request import FinishReason, Request, RequestStatus
 from draftwise.worker.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from draftwise.worker.engine import sizing
 from draftwise.worker.engine.constrain import mask_logits
 from draftwise.worker.engine.host_memory import retain_freed_memory
 from draftwise.worker.engine.intake import Intake
 from draftwise.worker.engine.invariants import check_idle, check_running
-from draftwise.worker.engine.sizing import batch_token_budget, capture_graphs, num_kv_blocks, warm_up_kernels
 from draftwise.worker.engine.step_data import StepReport, StepTokens, logit_rows, step_stats
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.loader import LoadedModel, load_model
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
+from draftwise.worker.parallel.leader import Ranks
 from draftwise.worker.paths import resolve_model
 from draftwise.worker.sampling.grammar import Grammars
 from draftwise.worker.sampling.sampler import Sampler
@@ -68,13 +70,13 @@ class LLMEngine:
         self.retains_freed_memory = config.retain_freed_memory and retain_freed_memory()
         folder = resolve_model(config.model)
         check_speculative_model(config)  # before the (possibly long) target load
-        self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device)
+        self.ranks = Ranks(config, str(folder)) if config.tensor_parallel_size > 1 else None  # the other TP ranks
+        if self.ranks is not None:
+            weakref.finalize(self, self.ranks.close)
+        parallel = self.ranks.parallel if self.ranks is not None else None
+        self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device, parallel=parallel)
         mcfg = self.loaded.config
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={mcfg.max_position_embeddings}"
-            )
+        self.max_model_len = sizing.model_len(config, mcfg)
         tokenizer = None
         if not config.skip_tokenizer_init:
             tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
@@ -83,18 +85,18 @@ class LLMEngine:
         self.eos_token_ids = self.intake.eos_token_ids
         self.grammars = Grammars(self.intake.grammar)  # constrained requests' matchers
 
-        max_batched = batch_token_budget(config, self.max_model_len)
+        max_batched = sizing.batch_token_budget(config, self.max_model_len)
         draft = load_draft(config, self.loaded, self.max_model_len) or load_spec_head(config, self.loaded)
         # memory_profile: what the CUDA profile measured (None: not profiled)
-        num_blocks, self.memory_profile = num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len)
-        capacity = num_blocks * config.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
-                f"max_model_len={self.max_model_len}: raise the KV budget or lower max_model_len"
-            )
-        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device)
-        self.runner = ModelRunner(self.loaded, self.kv_cache)
+        size_kv = lambda: sizing.num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len)  # noqa: E731
+        num_blocks, self.memory_profile = (
+            size_kv() if self.ranks is None else self.ranks.agree_kv_blocks(size_kv, max_batched, self.max_model_len)
+        )
+        capacity = sizing.check_capacity(num_blocks, config.block_size, self.max_model_len)
+        self.kv_cache = KVCache(
+            self.loaded.kv_config, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device
+        )
+        self.runner = ModelRunner(self.loaded, self.kv_cache, peers=self.ranks)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec: SpecDecoder | None = SpecDecoder.build(config, draft, self.loaded, num_blocks, self.max_model_len)
         self.spec_method: str | None = None if self.spec is None else self.spec.method
@@ -104,8 +106,8 @@ class LLMEngine:
             self.proposer.draft_mask = self.grammars.mask_draft
         runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
         max_len = self.max_model_len
-        self.kernel_warm_up_seconds = warm_up_kernels(runners, config.max_num_seqs, max_batched, max_len + k + 1)
-        self.graph_capture_seconds = capture_graphs(self.runner, draft_runner, config, max_batched, max_len, k)
+        self.kernel_warm_up_seconds = sizing.warm_up_kernels(runners, config.max_num_seqs, max_batched, max_len + k + 1)
+        self.graph_capture_seconds = sizing.capture_graphs(self.runner, draft_runner, config, max_batched, max_len, k)
         sched_config = SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.scheduler = Scheduler(sched_config, self.blocks)
         self.sampler = Sampler()
@@ -126,6 +128,7 @@ class LLMEngine:
             max_num_batched_tokens=max_batched,
             attention_backend=self.runner.backend.name,
             speculation=self.spec_method,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
 
     @property
@@ -189,12 +192,9 @@ class LLMEngine:
             self.spec.add(req, params.max_speculative_tokens, continuation_spec)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        n, cont = req.num_prompt_tokens, len(req.output_token_ids)
         log.debug(
-            "request added",
-            request_id=request_id,
-            prompt_tokens=req.num_prompt_tokens,
-            max_tokens=req.max_tokens,
-            continuation_tokens=len(req.output_token_ids),
+            "request added", request_id=request_id, prompt_tokens=n, max_tokens=req.max_tokens, continuation_tokens=cont
         )
         return req
 
@@ -217,6 +217,11 @@ class LLMEngine:
         self._forget(req)
         log.info("request aborted", request_id=request_id, output_tokens=len(req.output_token_ids))
         return True
+
+    def check_ranks(self) -> None:
+        """EngineDeadError when a tensor-parallel rank has stopped (AsyncEngine asks while idle)."""
+        if self.ranks is not None:
+            self.ranks.check()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending.deltas)
@@ -414,13 +419,8 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)
         self._release_spec(req)
-        log.debug(
-            "request finished",
-            request_id=req.request_id,
-            reason=reason.value,
-            output_tokens=len(req.output_token_ids),
-            preemptions=req.num_preemptions,
-        )
+        n, pre = len(req.output_token_ids), req.num_preemptions
+        log.debug("request finished", request_id=req.request_id, reason=reason.value, output_tokens=n, preemptions=pre)
 
     def _release_spec(self, req: Request) -> None:
         """``req``'s target blocks were freed (finished or preempted): its drafts go too."""

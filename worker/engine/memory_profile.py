@@ -124,7 +124,7 @@ def _probe_runner(loaded: LoadedModel, probe: Probe, block_size: int) -> tuple[M
     covers the whole context by repeating those blocks)."""
     needed = -(-probe.context // block_size)
     own = min(needed, -(-probe.tokens_per_seq // block_size) + PROBE_BLOCKS)
-    cache = KVCache(loaded.config, own, block_size, loaded.dtype, loaded.device)
+    cache = KVCache(loaded.kv_config, own, block_size, loaded.dtype, loaded.device)
     table = [i % own for i in range(needed)]
     start = probe.context - probe.tokens_per_seq
     chunk = SequenceChunk([0] * probe.tokens_per_seq, start, table, probe.logits_per_seq)

@@ -18,6 +18,7 @@ from draftwise.worker.engine.memory_profile import MemoryProfile, cuda_peak_byte
 from draftwise.worker.model.graph_shapes import GraphConfig
 from draftwise.worker.model.kv_cache import bytes_per_block
 from draftwise.worker.model.loader import LoadedModel
+from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.model_runner import ModelRunner
 from draftwise.worker.speculative.decoder import MAX_INLINE_BACKLOG
 from draftwise.worker.speculative.heads import LoadedHead
@@ -27,7 +28,9 @@ __all__ = [
     "CPU_MAX_DEFAULT_KV_BYTES",
     "CPU_MAX_DEFAULT_KV_SHARE",
     "capture_graphs",
+    "check_capacity",
     "cpu_default_kv_blocks",
+    "model_len",
     "num_kv_blocks",
     "warm_up_kernels",
 ]
@@ -42,6 +45,27 @@ CPU_MAX_DEFAULT_KV_SHARE = 1 / 8
 
 DEFAULT_CHUNKED_BATCH_TOKENS = 2048
 """max_num_batched_tokens with chunked prefill when the config leaves it unset."""
+
+
+def model_len(config: EngineConfig, model: ModelConfig) -> int:
+    """max_model_len: the config's, else the model's context; ValueError past the model's context."""
+    n = config.max_model_len or model.max_position_embeddings
+    if n > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={n} exceeds the model's max_position_embeddings={model.max_position_embeddings}"
+        )
+    return n
+
+
+def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> int:
+    """The KV cache's tokens; ValueError when one request of max_model_len would not fit."""
+    capacity = num_blocks * block_size
+    if capacity < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer than "
+            f"max_model_len={max_model_len}: raise the KV budget or lower max_model_len"
+        )
+    return capacity
 
 
 def batch_token_budget(config: EngineConfig, max_model_len: int) -> int:
@@ -73,7 +97,7 @@ def num_kv_blocks(
     """Blocks for the target's KV pool (with a draft model or an EAGLE head, its own pool
     gets as many blocks of its size, and both come out of the one budget), and the memory profile
     that sized them (None unless it was measured: CUDA without an explicit budget)."""
-    per_block = bytes_per_block(target.config, config.block_size, target.dtype)
+    per_block = bytes_per_block(target.kv_config, config.block_size, target.dtype)
     draft = drafter if isinstance(drafter, LoadedModel) else None
     if draft is not None:
         per_block += bytes_per_block(draft.config, config.block_size, draft.dtype)
@@ -88,7 +112,8 @@ def num_kv_blocks(
     elif target.device.type == "cuda":
         budget, prof = cuda_kv_budget(config, target, draft, max_batched, max_model_len)
     else:
-        return cpu_default_kv_blocks(per_block, config.block_size, config.max_num_seqs, max_model_len), None
+        n = config.tensor_parallel_size
+        return cpu_default_kv_blocks(per_block, config.block_size, config.max_num_seqs, max_model_len, n), None
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"the KV budget of {budget} bytes is smaller than one block ({per_block} bytes)")
@@ -125,14 +150,19 @@ def cuda_kv_budget(
     return budget, prof
 
 
-def cpu_default_kv_blocks(per_block: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+def cpu_default_kv_blocks(
+    per_block: int, block_size: int, max_num_seqs: int, max_model_len: int, ranks: int = 1
+) -> int:
     """KV blocks on CPU when no budget is given: every one of ``max_num_seqs`` sequences at
     ``max_model_len`` tokens, within CPU_MAX_DEFAULT_KV_BYTES and CPU_MAX_DEFAULT_KV_SHARE of the
-    machine's memory, and never less than one sequence at full length."""
+    machine's memory (shared by the ``ranks`` tensor-parallel ranks of a worker, which all live
+    in it), and never less than one sequence at full length."""
     per_seq = -(-max_model_len // block_size)
-    cap = CPU_MAX_DEFAULT_KV_BYTES
+    cap = CPU_MAX_DEFAULT_KV_BYTES // ranks
     with contextlib.suppress(ValueError, OSError):  # without sysconf: the fixed cap alone
-        cap = min(cap, int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_MAX_DEFAULT_KV_SHARE))
+        cap = min(
+            cap, int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_MAX_DEFAULT_KV_SHARE) // ranks
+        )
     return max(per_seq, min(max_num_seqs * per_seq, cap // per_block))
 
 

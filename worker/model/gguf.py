@@ -16,7 +16,7 @@ The tokenizer (with the file's chat template) is built by ``draftwise.worker.tex
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,7 +186,9 @@ def _rope(ckpt: GGUFCheckpoint, arch: str, cfg: ModelConfig) -> RopeConfig:
     raise ModelLoadError(f"{path}: unsupported rope scaling {kind!r} ({arch}.rope.scaling.type); supported: linear")
 
 
-def _dequantize(ckpt: GGUFCheckpoint, tensor: Any) -> np.ndarray:  # float32, ggml's dims reversed
+def _dequantize(ckpt: GGUFCheckpoint, tensor: Any, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """``tensor`` as float32 in ggml's dims reversed (rows first); ``rows``: only that range of
+    rows, sliced out of the file's (quantized) rows before anything is dequantized."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -196,11 +198,14 @@ def _dequantize(ckpt: GGUFCheckpoint, tensor: Any) -> np.ndarray:  # float32, gg
             f"{ckpt.path}: tensor {tensor.name!r} has type {qtype.name}, which draftwise does not load; "
             f"supported: {', '.join(SUPPORTED_TYPES)}"
         )
+    data = tensor.data if rows is None else tensor.data[rows[0] : rows[1]]  # quantized rows are independent
     try:
-        out = dequantize(tensor.data, qtype)
+        out = dequantize(data, qtype)
     except (ValueError, IndexError) as e:
         raise ModelLoadError(f"{ckpt.path}: tensor {tensor.name!r} ({qtype.name}) is corrupt ({e})") from None
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if rows is not None:
+        shape = (rows[1] - rows[0], *shape[1:])
     arr = np.asarray(out, dtype=np.float32).reshape(shape)
     return arr if arr.flags.writeable else arr.copy()  # F32 tensors come back as views of the read-only map
 
@@ -239,10 +244,16 @@ def _hf_name(name: str) -> str | None:
 
 
 def iter_gguf_tensors(
-    ckpt: GGUFCheckpoint, cfg: ModelConfig, wanted: set[str], dtype: torch.dtype
+    ckpt: GGUFCheckpoint,
+    cfg: ModelConfig,
+    wanted: set[str],
+    dtype: torch.dtype,
+    part: Callable[[str], tuple[int, tuple[int, int]] | None] = lambda name: None,
 ) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """Yield (file, Hugging Face name, tensor in ``dtype``) for each wanted tensor, dequantized
-    one at a time, Q/K rows back in Hugging Face's order for Llama."""
+    one at a time, Q/K rows back in Hugging Face's order for Llama. ``part(name)``: the
+    (dimension, [start, stop)) of the tensor to keep (a tensor-parallel rank's shard), None for
+    all of it; a range of rows is cut before dequantizing, a range of columns after."""
     unpermute = ckpt.architecture == "llama"
     for t in ckpt.reader.tensors:
         name = _hf_name(t.name)
@@ -250,9 +261,10 @@ def iter_gguf_tensors(
             if t.name != "rope_freqs.weight":  # read into the config
                 log.warning("unused tensor in checkpoint", file=ckpt.path.name, tensor=t.name)
             continue
-        w = torch.from_numpy(_dequantize(ckpt, t))
-        if unpermute and ".q_proj." in name:
-            w = _unpermute(w, cfg.num_attention_heads)
-        elif unpermute and ".k_proj." in name:
-            w = _unpermute(w, cfg.num_key_value_heads)
+        cut = part(name)
+        w = torch.from_numpy(_dequantize(ckpt, t, cut[1] if cut is not None and cut[0] == 0 else None))
+        if unpermute and (".q_proj." in name or ".k_proj." in name):  # within each head: a head range stays whole
+            w = _unpermute(w, w.shape[0] // cfg.head_dim)
+        if cut is not None and cut[0] == 1:
+            w = w[:, cut[1][0] : cut[1][1]]
         yield ckpt.path, name, w.to(dtype)

@@ -8,6 +8,8 @@ projections are fused (one matmul each); the loader splits checkpoint tensors in
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,7 @@ from torch import nn
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
+from draftwise.worker.parallel.sharding import Shard
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -67,10 +70,34 @@ class Linear(nn.Linear):
         w = self.weight
         if w.dim() == 2:
             return F.linear(x, w, self.bias)
+        y = self.product(x)
+        return y if self.bias is None else y + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], the bias left out
+        w = self.weight
+        if w.dim() == 2:
+            return F.linear(x, w)
         parts, block, _ = w.shape
         y = torch.bmm(x.expand(parts, *x.shape), w.transpose(1, 2))  # [p, T, out / p]
-        y = y.transpose(0, 1).reshape(x.shape[0], parts * block)
-        return y if self.bias is None else y + self.bias
+        return y.transpose(0, 1).reshape(x.shape[0], parts * block)
+
+
+class Collectives(Protocol):
+    """How a tensor-parallel rank combines its partial results with the other ranks'
+    (``draftwise.worker.parallel.group.RankGroup``)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...  # the sum over ranks, in place
+
+    def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor: ...  # ranks' columns on rank 0
+
+
+def row_parallel(linear: Linear, x: torch.Tensor, comm: Collectives | None) -> torch.Tensor:
+    """``linear(x)`` for a row-parallel projection: this rank's partial product summed over the
+    ranks, the bias added once after the sum; plain ``linear(x)`` without ranks."""
+    if comm is None:
+        return linear(x)
+    y = comm.all_reduce(linear.product(x))
+    return y if linear.bias is None else y + linear.bias
 
 
 class RMSNorm(nn.Module):
@@ -92,8 +119,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, sliding_window: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None, comm: Collectives | None = None) -> None:
         super().__init__()
+        self.comm = comm
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -120,26 +148,27 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return row_parallel(self.o_proj, o.reshape(t, self.q_size), self.comm)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Collectives | None = None) -> None:
         super().__init__()
+        self.comm = comm
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.comm)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, comm: Collectives | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.sliding_window[layer] if cfg.sliding_window else None)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, cfg.sliding_window[layer] if cfg.sliding_window else None, comm)
+        self.mlp = MLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -164,19 +193,33 @@ class LlamaModel(nn.Module):
     """Decoder stack + LM head. ``forward`` returns final hidden states; ``compute_logits``
     turns the selected ones into logits, so prompt chunks skip the LM head."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int | None = None,
+        shard: Shard | None = None,
+        comm: Collectives | None = None,
+    ) -> None:
+        """``shard`` and ``comm``: this rank's part of a tensor-parallel model and how it meets the
+        other ranks (both or neither); the modules then have the rank's shapes (``local_config``)."""
         super().__init__()
+        if (shard is None) != (comm is None):
+            raise ValueError("a tensor-parallel shard needs its collectives, and the reverse")
         self.config = cfg
+        self.shard = shard
+        self.comm = comm
+        self.local_config = local = cfg if shard is None else shard.local_config(cfg)
+        """The shapes this process holds: the whole model's, or its rank's (heads, MLP width, vocabulary rows)."""
         self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+            local.vocab_size, cfg.hidden_size, _weight=torch.empty(local.vocab_size, cfg.hidden_size)
         )
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, comm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
         self._lm_head: Linear | None = None  # a tied LM head laid out on CPU (set_cpu_layout), unregistered
         for p in self.parameters():
@@ -203,7 +246,7 @@ class LlamaModel(nn.Module):
         if self.lm_head is None:
             embedding = self._embedding_dense()
             if parts is not None:
-                head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+                head = Linear(self.config.hidden_size, self.local_config.vocab_size, bias=False, device="meta")
                 head.weight = nn.Parameter(embedding, requires_grad=False)
                 head.set_cpu_layout(parts)
                 self.embed_tokens.weight = head.weight  # [vocab, hidden] or [p, vocab / p, hidden]: one parameter
@@ -217,6 +260,15 @@ class LlamaModel(nn.Module):
         return w if w.dim() == 2 else w.reshape(-1, w.shape[-1])
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.shard is None or self.comm is None:
+            return self._lookup(input_ids)
+        v0, v1 = self.shard.vocab  # this rank's rows; the other ranks bring the rest, zeros here
+        local = input_ids - v0
+        inside = ((local >= 0) & (local < v1 - v0)).unsqueeze(1)  # [T, 1]
+        x = self._lookup(local.clamp(0, self.shard.vocab_rows - 1))
+        return self.comm.all_reduce(torch.where(inside, x, torch.zeros((), dtype=x.dtype, device=x.device)))
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden], rows this process holds
         w = self.embed_tokens.weight
         if w.dim() == 2:
             return F.embedding(input_ids, w)
@@ -240,5 +292,10 @@ class LlamaModel(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        """The logits of ``hidden``'s rows; under tensor parallelism every rank computes its
+        vocabulary columns and rank 0 gets them all (the other ranks an empty tensor)."""
         head = self._lm_head if self._lm_head is not None else self.lm_head
-        return (F.linear(hidden, self._embedding_dense()) if head is None else head(hidden)).float()
+        logits = F.linear(hidden, self._embedding_dense()) if head is None else head(hidden)
+        if self.comm is not None:
+            logits = self.comm.gather_columns(logits, self.config.vocab_size)
+        return logits.float()

@@ -9,9 +9,10 @@ naming the file and the problem.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -19,8 +20,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from draftwise.worker.model.gguf import gguf_config, is_gguf_path, iter_gguf_tensors, open_gguf
-from draftwise.worker.model.llama import LlamaModel
+from draftwise.worker.model.llama import Collectives, LlamaModel
 from draftwise.worker.model.model_config import ModelConfig, ModelLoadError
+from draftwise.worker.parallel.sharding import Shard
 
 log = structlog.get_logger("draftwise.loader")
 
@@ -41,6 +43,12 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     weight_bytes: int  # bytes of parameters in memory
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The shapes of the KV cache this process holds: the model's, or a tensor-parallel
+        rank's (its key/value heads)."""
+        return self.model.local_config
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -115,8 +123,11 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     progress: bool | None = None,
+    parallel: tuple[int, int, Collectives] | None = None,
 ) -> LoadedModel:
-    """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file)."""
+    """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file).
+    ``parallel``: (rank, ranks, collectives) of a tensor-parallel rank; only the rank's shard
+    (``draftwise.worker.parallel.sharding``) is read and held."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
     ckpt = None  # the open GGUF file
@@ -137,8 +148,16 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, device)
     files, weight_map = ([folder], None) if gguf else _weight_files(folder)
 
+    try:
+        shard = None if parallel is None else Shard.plan(cfg, parallel[0], parallel[1])
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
+        model = LlamaModel(cfg, max_positions, shard, None if parallel is None else parallel[2])
+
+    def part(name: str) -> tuple[int, tuple[int, int]] | None:
+        return None if shard is None else shard.slice_of(name, cfg)
+
     model = model.to(torch_dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     wanted = _checkpoint_names(cfg)
@@ -158,6 +177,8 @@ def load_model(
         parts = [pending[s][1] for s in srcs]
         got = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         param = params[name]
+        if shard is not None and name in ("embed_tokens.weight", "lm_head.weight") and got.shape[0] < param.shape[0]:
+            got = torch.cat([got, got.new_zeros(param.shape[0] - got.shape[0], *got.shape[1:])])  # vocabulary padding
         if tuple(got.shape) != tuple(param.shape):
             shapes = ", ".join(f"{s} {tuple(pending[s][1].shape)} in {pending[s][0].name}" for s in srcs)
             raise ModelLoadError(f"{folder}: wrong shape for {shapes}; {origin} implies {_expected(param.shape, srcs)}")
@@ -168,9 +189,9 @@ def load_model(
             del pending[s]
 
     tensors = (
-        iter_gguf_tensors(ckpt, cfg, sources, torch_dtype)
+        iter_gguf_tensors(ckpt, cfg, sources, torch_dtype, part)
         if ckpt is not None
-        else _iter_tensors(folder, files, weight_map, sources, progress)
+        else _iter_tensors(folder, files, weight_map, sources, progress, part)
     )
     for path, key, tensor in tensors:
         if key in owner:
@@ -203,14 +224,25 @@ def _expected(shape: torch.Size, srcs: list[str]) -> str:
     return f"{tuple(shape)} for the {len(srcs)} tensors concatenated on dim 0"
 
 
+def _read(st: Any, key: str, cut: tuple[int, tuple[int, int]] | None) -> torch.Tensor:
+    """Tensor ``key`` of an open safetensors file, or only the rows / columns ``cut`` names."""
+    if cut is None:
+        return st.get_tensor(key)
+    dim, (a, b) = cut
+    sl = st.get_slice(key)
+    return sl[a:b] if dim == 0 else sl[:, a:b]
+
+
 def _iter_tensors(
     folder: Path,
     files: list[Path],
     weight_map: dict[str, Path] | None,
     wanted: set[str],
     progress: bool | None,
+    part: Callable[[str], tuple[int, tuple[int, int]] | None] = lambda name: None,
 ) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Yield (file, name, tensor) for each wanted tensor, one file at a time."""
+    """Yield (file, name, tensor) for each wanted tensor, one file at a time; ``part(name)``: the
+    (dimension, [start, stop)) to read of it (a tensor-parallel shard), None for all of it."""
     total = sum(f.stat().st_size for f in files)
     show = total >= PROGRESS_BAR_BYTES if progress is None else progress
     seen: set[str] = set()
@@ -222,7 +254,7 @@ def _iter_tensors(
                     for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                         if key in wanted:
                             seen.add(key)
-                            yield f, key, st.get_tensor(key)
+                            yield f, key, _read(st, key, part(key))
                         elif not key.endswith(_IGNORED_SUFFIXES):
                             log.warning("unused tensor in checkpoint", file=f.name, tensor=key)
             except SafetensorError as e:

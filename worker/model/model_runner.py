@@ -9,7 +9,7 @@ shape and runs everything else eagerly (``draftwise.worker.model.graph_runner``)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -17,6 +17,7 @@ import torch
 from draftwise.kernels import AttentionMetadata, get_attention_backend
 from draftwise.kernels.flat_batch import FlatBatch
 from draftwise.kernels.launch_plan import num_sms, warm_up_plan
+from draftwise.worker.core.containment import EngineDeadError
 from draftwise.worker.model.block_tables import MIN_WIDTH, BlockTableRows
 from draftwise.worker.model.chunk import SequenceChunk
 from draftwise.worker.model.graph_runner import GraphRunner, graph_unsupported_reason
@@ -27,10 +28,23 @@ from draftwise.worker.model.loader import LoadedModel
 log = structlog.get_logger("draftwise.runner")
 
 
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel worker, as rank 0 sees them
+    (``draftwise.worker.parallel.leader.Ranks``)."""
+
+    def announce(self, message: tuple[Any, ...]) -> None: ...  # tell every other rank what to run next
+
+    def failure(self) -> str | None: ...  # why a rank stopped, when one has
+
+
 class ModelRunner:
     """A loaded model, its KV cache and its attention backend."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, prefer_reference: bool = False) -> None:
+    def __init__(
+        self, loaded: LoadedModel, kv_cache: KVCache, prefer_reference: bool = False, peers: Peers | None = None
+    ) -> None:
+        self.peers = peers
+        """Rank 0 of a tensor-parallel worker: the other ranks, told each forward pass to run it too."""
         self.loaded = loaded
         self.model = loaded.model
         self.kv_cache = kv_cache
@@ -53,6 +67,8 @@ class ModelRunner:
         if reason is not None:
             log.info("cuda graphs off", reason=reason)
             return None
+        if self.peers is not None:  # every rank captures the same shapes: replays run their collectives together
+            self.peers.announce(("graphs", config, enforce_eager))
         runner = GraphRunner(self.model, self.kv_cache, self.backend, config, pool=pool, block_rows=self.block_tables)
         runner.capture()
         if not runner.num_graphs:
@@ -84,7 +100,7 @@ class ModelRunner:
         nb = self.kv_cache.num_blocks
         for seqs, n, width in plan:
             table = [i % nb for i in range(max(width, -(-n // self.block_size)))]
-            self._run_eager(self._flat([SequenceChunk([0] * n, 0, table)] * seqs))
+            self.forward_batch(self._flat([SequenceChunk([0] * n, 0, table)] * seqs), hidden=False)
         return len(plan)
 
     @torch.inference_mode()
@@ -109,7 +125,22 @@ class ModelRunner:
         hidden rows copied out only when asked), the eager path runs it otherwise."""
         if not chunks:
             raise ValueError("empty batch")
-        batch = self._flat(chunks)
+        return self.forward_batch(self._flat(chunks), hidden)
+
+    def forward_batch(self, batch: FlatBatch, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run a laid-out step: the logits asked for (and the hidden states when ``hidden``).
+        Rank 0 of a tensor-parallel worker first tells the other ranks to run it with it; a
+        failure after that leaves the ranks out of step, so it stops the engine
+        (EngineDeadError) rather than one request."""
+        if self.peers is None:
+            return self._forward_batch(batch, hidden)
+        self.peers.announce(("run", batch, hidden))
+        try:
+            return self._forward_batch(batch, hidden)
+        except Exception as e:
+            raise EngineDeadError(f"tensor-parallel step failed: {self.peers.failure() or repr(e)}") from e
+
+    def _forward_batch(self, batch: FlatBatch, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.graph_runner is not None:
             logits = self.graph_runner.replay(batch)
             if logits is not None:

@@ -86,7 +86,7 @@ class DraftModelProposer(Proposer):
                 "draft and target must share a tokenizer"
             )
         self.loaded = loaded
-        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+        self.kv_cache = KVCache(loaded.kv_config, num_blocks, block_size, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded, self.kv_cache)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.target_vocab = target_vocab
