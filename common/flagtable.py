@@ -11,6 +11,11 @@ a field whose type is none of these needs a converter or must be listed as inter
 :func:`add_flags` adds a table to an argparse parser (with ``dest`` = the field's name), and
 :func:`config_values` reads the parsed values back as the dataclass's keyword arguments.
 
+Users arriving from vLLM's guides type some flags under other names: :data:`SYNONYMS` gives a
+field's flag more options (``--draft-model`` for ``--speculative-model``) in every table with that
+field, and :data:`NO_EFFECT` lists flags accepted beside a field's flag that change nothing here
+(``--use-v2-block-manager``), each printing a one-line notice on stderr when given.
+
 Torch-free and worker-free: the gateway builds its parser from this module too.
 """
 
@@ -22,6 +27,7 @@ import dataclasses
 import inspect
 import io
 import re
+import sys
 import textwrap
 import tokenize
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -31,6 +37,21 @@ from typing import Any
 Convert = Callable[[str], Any]
 
 _SCALARS: dict[str, Convert] = {"int": int, "float": float, "str": str, "Path": str, "str | Path": str}
+
+SYNONYMS: dict[str, tuple[str, ...]] = {"speculative_model": ("--draft-model",)}
+"""{field: more options for its flag}, in every table with a field of that name: the names vLLM's
+guides use where they differ from the field's."""
+NO_EFFECT: dict[str, tuple[tuple[str, str], ...]] = {
+    "block_size": (
+        (
+            "--use-v2-block-manager",
+            "notice: --use-v2-block-manager changes nothing: draftwise has one block manager (paged KV blocks, the "
+            "only one), always on",
+        ),
+    ),
+}
+"""{field: ((option, notice), ...)}: flags added beside the field's flag (vLLM's, from its guides)
+that change nothing here; given, they print their notice on stderr and set no value."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,10 @@ class Flag:
     """Text to value; None: a switch (``--x`` / ``--no-x``)."""
     repeatable: bool = False
     """A list given by repeating the flag (``--worker A --worker B``); the field holds a tuple."""
+    aliases: tuple[str, ...] = ()
+    """More options for the same flag (:data:`SYNONYMS`)."""
+    no_effect: tuple[tuple[str, str], ...] = ()
+    """(option, notice) of flags accepted beside this one that change nothing (:data:`NO_EFFECT`)."""
 
     @property
     def is_switch(self) -> bool:
@@ -148,8 +173,28 @@ def table(
             default = f.default_factory()
         else:
             raise ValueError(f"{cls.__name__}.{name} has no default")
-        out.append(Flag(name, opts[name], default, _one_line(docs[name], opts), convert, repeatable))
+        help_ = _one_line(docs[name], opts)
+        out.append(
+            Flag(name, opts[name], default, help_, convert, repeatable, SYNONYMS.get(name, ()), NO_EFFECT.get(name, ()))
+        )
     return tuple(out)
+
+
+class _Notice(argparse.Action):
+    """A flag that changes nothing: given, it prints its notice (the action's help) on stderr."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, notice: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.notice = notice
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(self.notice, file=sys.stderr)
 
 
 def _shown(value: object) -> str:
@@ -174,18 +219,23 @@ def add_flags(
         default = defaults.get(flag.name, flag.default)
         text = helps.get(flag.name, flag.help)
         metavar = flag.option[2:].upper().replace("-", "_")
+        options = (flag.option, *flag.aliases)
+        for option, notice in flag.no_effect:
+            parser.add_argument(
+                option, action=_Notice, notice=notice, help=notice.partition(": ")[2].replace("%", "%%")
+            )
         convert = flag.convert
         if convert is None:  # a switch
             text = f"{text} (default: {'on' if default else 'off'})"
             parser.add_argument(
-                flag.option, dest=flag.name, action=argparse.BooleanOptionalAction, default=default, help=text
+                *options, dest=flag.name, action=argparse.BooleanOptionalAction, default=default, help=text
             )
             continue
         if default is not None and default != ():
             text = f"{text} (default: {_shown(default)})"
         if flag.repeatable:
             parser.add_argument(
-                flag.option,
+                *options,
                 dest=flag.name,
                 action="append",
                 type=convert,
@@ -194,7 +244,7 @@ def add_flags(
                 help=text,
             )
         else:
-            parser.add_argument(flag.option, dest=flag.name, type=convert, default=default, metavar=metavar, help=text)
+            parser.add_argument(*options, dest=flag.name, type=convert, default=default, metavar=metavar, help=text)
 
 
 def config_values(args: argparse.Namespace, flags: Sequence[Flag], skip: Collection[str] = ()) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args: argparse.Namespace) -> int:
-    from draftwise.cli.engine_flags import GENERATE_SKIP, alias_problem, engine_config
+    from draftwise.cli.engine_flags import GENERATE_SKIP, alias_problem, engine_config, hub_problem, with_local_copies
     from draftwise.worker.sampling.sampling_params import SamplingParams
 
     try:
@@ -78,10 +78,12 @@ def _generate_local(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    problem = alias_problem(config)  # a model alias whose package is not installed
+    # a model alias whose package is not installed, a Hugging Face name with no local copy
+    problem = alias_problem(config) or hub_problem(config)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    config = with_local_copies(config)
     from draftwise.worker.core.containment import EngineDeadError
     from draftwise.worker.engine.llm_engine import LLMEngine
     from draftwise.worker.model.model_config import ModelLoadError

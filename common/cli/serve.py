@@ -1,10 +1,15 @@
-"""``draftwise serve``: a gateway and worker processes on this machine
+"""``draftwise serve [MODEL]``: a gateway and worker processes on this machine
 (:mod:`draftwise.gateway.launcher`).
 
 Its flags come from three tables (:mod:`draftwise.flagtable`): ServeConfig's (``--workers``,
 ``--startup-timeout``, ...), EngineConfig's (every engine flag, checked here before any worker
 starts and passed on to each worker when it differs from the default) and GatewayConfig's (the
-gateway's flags, the same as ``draftwise gateway``'s).
+gateway's flags, the same as ``draftwise gateway``'s). The model may also be given as vLLM's
+``serve MODEL`` does, positionally. A Hugging Face name (``meta-llama/Meta-Llama-3-8B``) is
+served under that name from its local copy (:mod:`draftwise.worker.paths`).
+
+``python -m draftwise.entrypoints.api_server`` is this command with vLLM's ``--port``: the HTTP
+port (:func:`add_serve_args` with ``api_server=True``).
 """
 
 from __future__ import annotations
@@ -38,19 +43,76 @@ def serve_flags() -> tuple[Flag, ...]:
     )
 
 
-def add_serve_args(s: argparse.ArgumentParser) -> None:
+API_SERVER_HTTP_PORT = 8000
+"""The api_server's default ``--port`` (vLLM's)."""
+
+
+def add_serve_args(s: argparse.ArgumentParser, *, api_server: bool = False) -> None:
+    """``serve``'s flags on ``s``. ``api_server``: vLLM's api_server's ports instead (``s`` made with
+    ``conflict_handler="resolve"``): ``--port`` is the HTTP port (default 8000; ``--http-port`` is
+    the same flag), ``--grpc-port`` the gRPC one (default 0: any free port); no positional MODEL."""
     from draftwise.cli.engine_flags import engine_flags
-    from draftwise.envflags import apply_env
+    from draftwise.envflags import apply_env, port_number
     from draftwise.gateway.main import add_gateway_args
 
+    if not api_server:
+        s.add_argument(
+            "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to serve: the same as --model MODEL"
+        )
     add_flags(s, serve_flags())
     engine = s.add_argument_group("engine (every worker's)")
     add_flags(engine, engine_flags())
     engine.add_argument(
-        "--model-name", default=None, help="name clients use for it (default: draftwise-target, or the folder's name)"
+        "--model-name",
+        default=None,
+        help="name clients use for it (default: draftwise-target, a Hugging Face name as given, or the folder's name)",
     )
-    add_gateway_args(s.add_argument_group("gateway"))
+    gateway = s.add_argument_group("gateway")
+    add_gateway_args(gateway)
+    if api_server:  # replaces the gateway's --port and --http-port (conflict_handler="resolve")
+        gateway.add_argument(
+            "--port",
+            "--http-port",
+            dest="http_port",
+            type=port_number,
+            default=API_SERVER_HTTP_PORT,
+            metavar="PORT",
+            help=f"HTTP port of POST /generate and the OpenAI endpoint (default {API_SERVER_HTTP_PORT}; 0: any free one)",
+        )
+        gateway.add_argument(
+            "--grpc-port",
+            dest="port",
+            type=port_number,
+            default=0,
+            metavar="PORT",
+            help="gRPC port (default 0: any free one)",
+        )
     apply_env(s)
+
+
+def take_positional_model(args: argparse.Namespace) -> str | None:
+    """Move ``serve MODEL``'s positional model into ``args.model``; the one-line error when it
+    and ``--model`` are both given and differ, else None."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return None
+    if args.model is not None and str(args.model) != tag:
+        return f"the model is given twice: {tag!r} (positional) and --model {str(args.model)!r}; give one"
+    args.model = tag
+    return None
+
+
+def use_local_copies(args: argparse.Namespace) -> None:
+    """Hugging Face names among the engine flags, as the workers get them: the served name is the
+    name given (vLLM's way: clients ask for ``org/name``) unless ``--model-name`` says another;
+    ``--speculative-model``'s is replaced by its local copy's path. Call after
+    :func:`~draftwise.cli.engine_flags.path_problem` found none missing."""
+    from draftwise.worker.paths import is_hub_name, local_copy
+
+    if args.model is not None and is_hub_name(args.model) and args.model_name is None:
+        args.model_name = str(args.model)
+    if args.speculative_model is not None and is_hub_name(args.speculative_model):
+        args.speculative_model = str(local_copy(str(args.speculative_model)))
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -73,14 +135,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from draftwise.hop import CLIENT_KEY_ENV_VARS
     from draftwise.logs import configure_logging, wrap_native_stderr
 
+    problem = take_positional_model(args)
     try:  # before any worker starts: a worker takes seconds to load
-        config = engine_config(args)
-        problem = path_problem(config)
+        if problem is None:
+            config = engine_config(args)
+            problem = path_problem(config)
     except ValueError as e:
         problem = str(e)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    use_local_copies(args)
     try:
         configure_logging(args.log_format, args.log_level)
         wrap_native_stderr(process="serve")  # gRPC core's lines as JSON too, under JSON logs

@@ -30,6 +30,7 @@ from draftwise.gateway.errors import RequestError, clip
 from draftwise.gateway.openai import protocol as P
 from draftwise.gateway.openai import respond as R
 from draftwise.gateway.openai.http_errors import HTTP_STATUS, error_code, json_errors, parse_json, raise_if_error
+from draftwise.gateway.openai.legacy_generate import add_generate_route
 from draftwise.gateway.openai.protocol import ApiError, ParsedRequest
 from draftwise.gateway.relay import Relay
 from draftwise.gateway.sampling_check import FieldError, check_sampling
@@ -40,7 +41,7 @@ from draftwise.v1 import generation_pb2 as pb
 
 log = structlog.get_logger("draftwise.gateway.openai")
 
-ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics"
+ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's), GET /health, GET /metrics"
 OPEN_PATHS = frozenset({"/health", "/healthz", "/metrics"})
 """Paths open without an API key (load balancers, Prometheus), as on the metrics port."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -51,7 +52,7 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 
 
 class OpenAIServer:
-    """``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` over ``core``."""
+    """``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (and vLLM's ``/generate``) over ``core``."""
 
     def __init__(self, core: Core, api_keys: frozenset[str]) -> None:
         self.core = core
@@ -61,6 +62,7 @@ class OpenAIServer:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        add_generate_route(app, self._body, self._relay)  # vLLM's legacy /generate (legacy_generate.py)
         app.router.add_get("/health", self.health)
         app.router.add_get("/healthz", self.health)
         app.router.add_get("/metrics", self.metrics)

@@ -5,11 +5,18 @@ llm = LLM()                                   # the embedded default model
 outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))
 print(outs[0].outputs[0].text)
 llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))  # a model with a chat template
+
+Every keyword is an EngineConfig field under vLLM's name (``speculative_model=``,
+``num_speculative_tokens=``, ``enable_chunked_prefill=``, ``max_num_seqs=``,
+``gpu_memory_utilization=``, ``tensor_parallel_size=``, ...); a Hugging Face name
+(``meta-llama/Meta-Llama-3-8B``) is its local copy (draftwise.worker.paths: nothing is
+downloaded); vLLM's ``use_v2_block_manager=`` is accepted and changes nothing (a notice on stderr).
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -19,11 +26,16 @@ from tqdm.auto import tqdm
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.core.outputs import RequestOutput
 from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.paths import is_hub_name, local_copy
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.chat import ChatPrompt
 from draftwise.worker.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+USE_V2_BLOCK_MANAGER_NOTICE = (
+    "notice: use_v2_block_manager changes nothing: draftwise has one block manager (paged KV blocks, the only one), "
+    "always on"
+)
 Conversation = Sequence[Mapping[str, Any]]
 
 
@@ -31,6 +43,11 @@ class LLM:
     """An engine plus a blocking ``generate`` over many prompts."""
 
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        if kwargs.pop("use_v2_block_manager", None) is not None:
+            print(USE_V2_BLOCK_MANAGER_NOTICE, file=sys.stderr)
+        spec = kwargs.get("speculative_model")
+        if spec is not None and is_hub_name(spec):  # the draft's loader reads paths; the engine resolves model
+            kwargs["speculative_model"] = local_copy(str(spec))
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
