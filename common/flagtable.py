@@ -50,8 +50,8 @@ NO_EFFECT: dict[str, tuple[tuple[str, str], ...]] = {
         ),
     ),
 }
-"""{field: ((option, notice), ...)}: flags added beside the field's flag (vLLM's, from its guides)
-that change nothing here; given, they print their notice on stderr and set no value."""
+"""{field: ((option, notice), ...)}: switches added beside the field's flag (vLLM's, from its guides)
+that change nothing here; given, they print their notice on stderr (their value is read by no config)."""
 
 
 @dataclass(frozen=True)
@@ -180,21 +180,24 @@ def table(
     return tuple(out)
 
 
-class _Notice(argparse.Action):
-    """A flag that changes nothing: given, it prints its notice (the action's help) on stderr."""
+class _Notice(argparse._StoreTrueAction):
+    """A switch that changes nothing: given on the command line, it prints its notice on stderr. Its
+    value (``dest``: the option's name) is read by no configuration; a switch like any other, it
+    also reads its ``DRAFTWISE_<FLAG>`` variable (:mod:`draftwise.envflags`), silently."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, notice: str = "", **kwargs: Any) -> None:
-        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        super().__init__(option_strings, dest, **kwargs)
         self.notice = notice
 
     def __call__(
         self,
         parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
-        values: object,
+        values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
         print(self.notice, file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def _shown(value: object) -> str:

@@ -353,3 +353,14 @@ def test_enable_chunked_prefill_really_switches_chunking(capfd: pytest.CaptureFi
     )
     assert "notice: use_v2_block_manager changes nothing" in capfd.readouterr().err
     assert _prefill_steps(llm.engine) == [100]
+
+
+def test_the_workers_own_parser_takes_the_vllm_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``draftwise worker`` (what serve starts, and a container's command) reads the same table."""
+    from draftwise.worker.serving.server import build_parser as worker_parser
+
+    args = worker_parser().parse_args(
+        ["--draft-model", str(DRAFT), "--use-v2-block-manager", "--enable-chunked-prefill"]
+    )
+    assert args.speculative_model == str(DRAFT) and args.enable_chunked_prefill is True
+    assert capsys.readouterr().err.startswith("notice: --use-v2-block-manager changes nothing")

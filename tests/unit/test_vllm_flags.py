@@ -82,7 +82,7 @@ def test_use_v2_block_manager_is_accepted_with_a_notice(capsys: pytest.CaptureFi
     assert NOTICE.startswith("notice: --use-v2-block-manager changes nothing: draftwise has one block manager")
     args = _serve("--use-v2-block-manager", "--block-size", "32")
     assert capsys.readouterr() == ("", NOTICE + "\n")
-    assert not hasattr(args, "use_v2_block_manager") and worker_argv(args) == ["--block-size", "32"]
+    assert args.use_v2_block_manager is True and worker_argv(args) == ["--block-size", "32"]  # not passed on
     for parser, argv in (
         (build_parser(), ["generate", "hi", "--use-v2-block-manager"]),
         (api_server_parser(), ["--use-v2-block-manager"]),
