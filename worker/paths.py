@@ -132,7 +132,10 @@ def _hub_snapshot(name: str, cache: Path) -> Path | None:
         snapshot = repo / "snapshots" / commit
         return snapshot if commit and any((snapshot / m).is_file() for m in _MARKERS) else None
     for marker in _MARKERS:
-        hit = try_to_load_from_cache(name, marker, cache_dir=cache)
+        try:
+            hit = try_to_load_from_cache(name, marker, cache_dir=cache)
+        except ValueError:  # not a repository id the hub allows ("a/b--c", "a/b."): none is cached
+            return None
         if isinstance(hit, str):
             return Path(hit).parent
     return None

@@ -108,6 +108,13 @@ def test_the_cache_folder_follows_huggingface_hubs_variables(tmp_path: Path, mon
     assert paths.hub_cache_dir() == tmp_path / "hub"
 
 
+@pytest.mark.parametrize("name", ["a/b--c", "a/b.", "a/b..", "a-/b", "a/" + "x" * 120])
+def test_a_name_the_hub_would_refuse_has_no_copy(name: str) -> None:
+    assert paths.is_hub_name(name) and paths.find_local_copy(name) is None
+    with pytest.raises(FileNotFoundError, match="no local copy"):
+        paths.resolve_model(name)
+
+
 def test_no_local_copy_is_one_line_saying_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as e:
         paths.resolve_model(NAME)
