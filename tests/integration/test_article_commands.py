@@ -36,6 +36,7 @@ PROMPT = "def fibonacci(n):"
 
 
 def _http_port(serve: ServeProc) -> int:
+    assert serve.popen.stdout is not None
     line = said(serve.popen.stdout.readline().rstrip("\n"))
     prefix = "OpenAI-compatible HTTP on http://127.0.0.1:"
     assert line.startswith(prefix) and line.endswith("/v1"), f"unexpected second line {line!r}"
@@ -301,7 +302,8 @@ def test_llm_with_the_articles_speculative_keywords_and_acceptance_rate(hub_cach
         completion = output.outputs[0]
         rate = completion.spec_token_acceptance_rate
         if completion.num_spec_proposed:
-            assert rate == completion.num_spec_accepted / completion.num_spec_proposed and 0.0 <= rate <= 1.0
+            assert rate is not None and 0.0 <= rate <= 1.0
+            assert rate == completion.num_spec_accepted / completion.num_spec_proposed
         else:
             assert rate is None  # nothing drafted
         rates.append(rate)
