@@ -157,7 +157,7 @@ def test_a_planted_function_level_import_across_layers_is_found():
     assert found == ["draftwise.gateway.planted:3 imports torch.nn"], found
 
 
-WORKER_PACKAGES = ("core", "engine", "model", "sampling", "serving", "speculative", "text")
+WORKER_PACKAGES = ("core", "engine", "model", "parallel", "sampling", "serving", "speculative", "text")
 
 
 def _worker_package(mod: str) -> str | None:

@@ -30,6 +30,7 @@ _FATAL_MARKERS = (
     "illegal memory access",
     "nccl",
     "hip error",
+    "tensor-parallel",  # a step the ranks no longer run together (worker/model/model_runner.py)
 )
 
 

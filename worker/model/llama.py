@@ -17,7 +17,7 @@ from torch import nn
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
-from draftwise.worker.parallel.sharding import Shard
+from draftwise.worker.model.sharding import Shard
 
 
 def _empty(*shape: int) -> nn.Parameter:

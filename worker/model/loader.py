@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from draftwise.worker.model.gguf import gguf_config, is_gguf_path, iter_gguf_tensors, open_gguf
 from draftwise.worker.model.llama import Collectives, LlamaModel
 from draftwise.worker.model.model_config import ModelConfig, ModelLoadError
-from draftwise.worker.parallel.sharding import Shard
+from draftwise.worker.model.sharding import Shard
 
 log = structlog.get_logger("draftwise.loader")
 
@@ -117,6 +117,14 @@ def _checkpoint_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return names
 
 
+def read_config(folder: str | Path) -> ModelConfig:
+    """The architecture of a checkpoint folder or GGUF file, without loading its weights."""
+    folder = Path(folder)
+    if is_gguf_path(folder):
+        return gguf_config(open_gguf(folder))
+    return ModelConfig.from_folder(folder)
+
+
 def load_model(
     folder: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -127,7 +135,7 @@ def load_model(
 ) -> LoadedModel:
     """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file).
     ``parallel``: (rank, ranks, collectives) of a tensor-parallel rank; only the rank's shard
-    (``draftwise.worker.parallel.sharding``) is read and held."""
+    (``draftwise.worker.model.sharding``) is read and held."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
     ckpt = None  # the open GGUF file

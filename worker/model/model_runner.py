@@ -17,7 +17,6 @@ import torch
 from draftwise.kernels import AttentionMetadata, get_attention_backend
 from draftwise.kernels.flat_batch import FlatBatch
 from draftwise.kernels.launch_plan import num_sms, warm_up_plan
-from draftwise.worker.core.containment import EngineDeadError
 from draftwise.worker.model.block_tables import MIN_WIDTH, BlockTableRows
 from draftwise.worker.model.chunk import SequenceChunk
 from draftwise.worker.model.graph_runner import GraphRunner, graph_unsupported_reason
@@ -130,15 +129,16 @@ class ModelRunner:
     def forward_batch(self, batch: FlatBatch, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a laid-out step: the logits asked for (and the hidden states when ``hidden``).
         Rank 0 of a tensor-parallel worker first tells the other ranks to run it with it; a
-        failure after that leaves the ranks out of step, so it stops the engine
-        (EngineDeadError) rather than one request."""
+        failure after that leaves the ranks out of step, so it is raised as a step-wide error
+        (a RuntimeError naming tensor parallelism: ``is_step_fatal``) that stops the engine
+        rather than one request."""
         if self.peers is None:
             return self._forward_batch(batch, hidden)
-        self.peers.announce(("run", batch, hidden))
         try:
+            self.peers.announce(("run", batch, hidden))
             return self._forward_batch(batch, hidden)
         except Exception as e:
-            raise EngineDeadError(f"tensor-parallel step failed: {self.peers.failure() or repr(e)}") from e
+            raise RuntimeError(f"tensor-parallel step failed: {self.peers.failure() or repr(e)}") from e
 
     def _forward_batch(self, batch: FlatBatch, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.graph_runner is not None:

@@ -7,7 +7,7 @@ Two process groups over one TCP store on 127.0.0.1 (rank 0 hosts it):
   CPU, with ``timeout_s`` so that a rank that stops answering fails the step rather than hanging it;
 - the **control** group (always gloo, on the host) carries rank 0's commands: each step's flat
   batch, the KV cache's size. Followers wait on it between steps, so its timeout is long; a
-  follower whose rank 0 dies is killed with it (``PR_SET_PDEATHSIG``, worker/parallel/follower.py).
+  follower whose rank 0 dies is killed with it (``PR_SET_PDEATHSIG``, worker/engine/follower.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class RankGroup:
 def host_store(size: int, timeout_s: float) -> Any:
     """Rank 0's TCP store on a free port of 127.0.0.1 (``.port``), made before the followers
     start so that they can be told where it is."""
-    return dist.TCPStore(
+    return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
         "127.0.0.1", 0, world_size=size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
@@ -106,4 +106,5 @@ def join(rank: int, size: int, store: Any, device: torch.device, timeout_s: floa
 
 def connect_store(port: int, size: int, timeout_s: float) -> Any:
     """A follower's client of rank 0's store."""
-    return dist.TCPStore("127.0.0.1", port, world_size=size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]
+    return store("127.0.0.1", port, world_size=size, is_master=False, timeout=timedelta(seconds=timeout_s))

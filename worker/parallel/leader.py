@@ -2,7 +2,7 @@
 then on runs the engine as usual; its ModelRunner tells the ranks each forward pass to run
 (``ModelRunner.forward_batch``), and every rank runs it on its shard.
 
-The other ranks are processes of their own (``python -m draftwise.worker.parallel.follower``),
+The other ranks are processes of their own (``python -m draftwise.worker.engine.follower``),
 started before the target loads so that every rank reads its shard at the same time. A watchdog
 thread waits on them: a rank that exits while the worker runs is recorded
 (:meth:`Ranks.failure`), the engine's next step (or, idle, its next health check) stops with
@@ -27,6 +27,8 @@ import torch
 
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.core.containment import EngineDeadError
+from draftwise.worker.model.loader import read_config
+from draftwise.worker.model.sharding import Shard
 from draftwise.worker.parallel.group import RankGroup, host_store, join
 
 log = structlog.get_logger("draftwise.parallel")
@@ -53,6 +55,12 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, folder: str) -> None:
         size = config.tensor_parallel_size
+        model = read_config(folder)
+        try:  # before any rank starts: a model the ranks cannot share is refused at once
+            for r in range(size):
+                Shard.plan(model, r, size)
+        except ValueError as e:
+            raise ValueError(f"{folder}: {e}") from None
         device = rank_device(config.device, 0)
         if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
             raise ValueError(
@@ -64,6 +72,7 @@ class Ranks:
         store = host_store(size, DATA_TIMEOUT_S)
         store.set(CONFIG_KEY, pickle.dumps(config))  # the followers' device comes from it, before they join
         self._stopping = False
+        self._threads_before = torch.get_num_threads()
         self._failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         """Called (from the watchdog thread) when a rank exits while the worker runs."""
@@ -73,7 +82,7 @@ class Ranks:
                 [
                     sys.executable,
                     "-m",
-                    "draftwise.worker.parallel.follower",
+                    "draftwise.worker.engine.follower",
                     "--rank",
                     str(r),
                     "--size",
@@ -93,7 +102,7 @@ class Ranks:
         for r, p in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(r, p), name=f"tp-rank-{r}-watchdog", daemon=True).start()
         if device.type == "cpu":
-            torch.set_num_threads(self.threads)  # the ranks share the cores
+            torch.set_num_threads(self.threads)  # the ranks share the cores (until close)
         try:
             self.group: RankGroup = join(0, size, store, device, DATA_TIMEOUT_S)
         except Exception as e:
@@ -132,7 +141,7 @@ class Ranks:
         return blocks, profile
 
     def memory(self, here: dict[str, int]) -> list[dict[str, int]]:
-        """Each rank's memory (:func:`draftwise.worker.parallel.follower.rank_memory`), rank 0's
+        """Each rank's memory (:func:`draftwise.worker.engine.follower.rank_memory`), rank 0's
         (``here``) first."""
         self.announce(("memory",))
         return self.group.gather_objects(here)
@@ -151,6 +160,10 @@ class Ranks:
         if self._stopping:
             return
         self._stopping = True
+        group = getattr(self, "group", None)
+        if group is not None:  # a process holds one default group: the next engine's ranks can join
+            group.close()
+        torch.set_num_threads(self._threads_before)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()

@@ -105,12 +105,12 @@ class Shard:
         """The (dimension, span) of Hugging Face checkpoint tensor ``name`` this rank reads (None:
         all of it). Vocabulary spans are the real rows; the loader pads the last rank's."""
         d = cfg.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, self.vocab
         parts = name.rsplit(".", 2)
         if len(parts) < 3:
             return None
         kind = parts[-2]
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return 0, self.vocab
         if kind == "q_proj":
             return 0, (self.q_heads[0] * d, self.q_heads[1] * d)
         if kind in ("k_proj", "v_proj"):

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0: ``python -m draftwise.worker.parallel.follower``.
+"""A tensor-parallel rank other than 0: ``python -m draftwise.worker.engine.follower``.
 
 It joins rank 0's process groups, loads its shard of the target, and then does what rank 0
 tells it, message by message (worker/parallel/leader.py): size the KV cache, allocate it, run a
@@ -89,7 +89,7 @@ def run(rank: int, size: int, port: int, threads: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m draftwise.worker.parallel.follower")
+    p = argparse.ArgumentParser(prog="python -m draftwise.worker.engine.follower")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="rank 0's TCP store on 127.0.0.1")
