@@ -17,7 +17,9 @@ Sections (each failure becomes a FAIL row; nothing here crashes the run):
    (draft model and n-gram), on the embedded default models;
 3. serving: 64 mixed requests with n-gram speculation: no Triton compilation while serving,
    the graphs' padding waste, the memory profile against the serving peak; seeded sampling
-   identical alone and in batches of 8 and 64;
+   identical alone and in batches of 8 and 64; tensor parallelism (``check_tp.py``): TP=2
+   greedy equals one device, each rank with its graphs (needs >= 2 CUDA devices; says so
+   otherwise);
 4. timings: the decode step at batch 1, 8 and 64, eager against graphs; decode attention's
    achieved bandwidth on long contexts against a measured device-to-device copy;
    end-to-end output tokens/s and steps/s of a random ~1B Llama built here (nothing
@@ -978,6 +980,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "serving" not in args.skip:
         _section(rows, "serving", check_serving, ctx)
         _section(rows, "serving", check_seeded_batch_invariance, ctx)
+        from check_tp import check_tensor_parallel  # the script's folder is on sys.path
+
+        _section(rows, "serving", check_tensor_parallel, ctx, Row, _graph_runners)
     if "timings" not in args.skip:
         _section(rows, "timings", time_attention_bandwidth, ctx)
         _section(rows, "timings", time_heads, ctx)

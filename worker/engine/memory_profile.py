@@ -159,7 +159,7 @@ def run_probe(loaded: LoadedModel, probe: Probe, block_size: int, vocab: int, fo
     runner, chunks = _probe_runner(loaded, probe, block_size)
     with torch.inference_mode():
         logits = runner.run(chunks)  # [S * logits_per_seq, vocab]
-        if probe.sample and not forward_only:
+        if probe.sample and not forward_only and logits.numel():  # a tensor-parallel follower gets no logits
             _sample(logits, probe, vocab)
     return runner.kv_cache.num_bytes
 
