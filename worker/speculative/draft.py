@@ -95,6 +95,7 @@ class DraftModelProposer(Proposer):
         self.draft_mask: Callable[[list[str], Sequence[Sequence[int]], torch.Tensor], None] | None = None
         self.device = loaded.device
         self.kv: dict[str, DraftKV] = {}  # request id -> its draft KV (requests that were proposed for)
+        self.evictions = 0  # draft KV of a request dropped to make room for another's (``_grow``)
 
     def can_draft(self, req: Request) -> bool:
         """Whether the draft can read every token of ``req``: a draft with a smaller vocabulary
@@ -131,17 +132,21 @@ class DraftModelProposer(Proposer):
     def catch_up(self, reqs: Sequence[Request], ns: Sequence[int]) -> None:
         """One draft forward pass over the next ``ns[i]`` unread tokens of each request (no
         logits): the catch-up a proposal would otherwise do in one unbudgeted chunk."""
-        chunks = []
+        chunks, done = [], []
+        keep = {r.request_id for r in reqs}
         for r, n in zip(reqs, ns, strict=True):
             if not 1 <= n <= self.backlog(r):
                 raise ValueError(f"request {r.request_id}: cannot catch up {n} of {self.backlog(r)} tokens")
             kv = self._kv(r)
             end = kv.num_computed + n
-            if not self.blocks.grow(kv.block_table, end):
-                raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
+            if not self._grow(kv.block_table, end, keep):
+                continue  # no room even after evicting others: it stays behind (decodes plainly) for now
             chunks.append(SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 0))
+            done.append((r, n))
+        if not chunks:
+            return
         self.runner.run(chunks)
-        for r, n in zip(reqs, ns, strict=True):
+        for r, n in done:
             kv = self.kv[r.request_id]
             kv.num_computed += n
             self._offer(r, kv)
@@ -181,11 +186,12 @@ class DraftModelProposer(Proposer):
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
         ends = [r.num_tokens for r in reqs]
         kvs = [self._kv(r) for r in reqs]
+        keep = {r.request_id for r in reqs}
         for r, k, end, kv in zip(reqs, ks, ends, kvs, strict=True):
             if k < 1:
                 raise ValueError(f"request {r.request_id}: k must be >= 1, got {k}")
-            if not self.blocks.grow(kv.block_table, end + k - 1):
-                raise RuntimeError("draft KV pool exhausted (the engine sizes it to never run out)")
+            if not self._grow(kv.block_table, end + k - 1, keep):
+                raise RuntimeError("draft KV pool exhausted, even after evicting the draft KV of other requests")
         chunks0 = [
             SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 1)
             for r, end, kv in zip(reqs, ends, kvs, strict=True)
@@ -229,6 +235,22 @@ class DraftModelProposer(Proposer):
             return
         kv.num_computed = num_tokens_before + min(accepted, k - 1)
         self.blocks.shrink(kv.block_table, kv.num_computed)
+
+    def _grow(self, table: list[int], num_tokens: int, keep: set[str]) -> bool:
+        """Grow ``table`` to ``num_tokens``; when the pool is short, first drop the draft KV of
+        requests outside ``keep`` (largest first; they catch up again when they next draft). The
+        pool has as many blocks as the target's, but it can hold more of them in use: a prompt
+        prefix the target shares between requests is shared here only once the draft has computed
+        and cached it, which a request behind on its catch-up has not."""
+        need = self.blocks.extra_blocks(table, num_tokens)
+        while self.blocks.num_free_blocks < need:
+            victims = [(len(kv.block_table), rid) for rid, kv in self.kv.items() if rid not in keep and kv.block_table]
+            if not victims:
+                break
+            _, rid = max(victims)
+            self.blocks.free(self.kv.pop(rid).block_table)
+            self.evictions += 1
+        return self.blocks.grow(table, num_tokens)
 
     def release(self, req: Request) -> None:
         """Free the request's draft blocks (finished, aborted, failed or preempted)."""
