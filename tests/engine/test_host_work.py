@@ -92,6 +92,8 @@ def _decode_work(engine: LLMEngine, prompt_len: int) -> dict[str, object]:
     def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
         calls[event] += 1
 
+    gc.collect()  # no collection inside the measured steps: the finalizers it runs would be counted as
+    gc.disable()  # the engine's calls, at times that depend on allocations elsewhere in the process
     sys.setprofile(profile)
     try:
         for _ in range(STEPS):
@@ -99,6 +101,7 @@ def _decode_work(engine: LLMEngine, prompt_len: int) -> dict[str, object]:
             assert out.stats.num_scheduled == NUM_SEQS and out.stats.num_batched_tokens == NUM_SEQS  # decode only
     finally:
         sys.setprofile(None)
+        gc.enable()
     contexts = [r.num_tokens for r in engine.scheduler.running]
     for r in list(engine.scheduler.running):
         engine.abort_request(r.request_id)
