@@ -2,9 +2,10 @@
 "Coming from vLLM"). The models are the embedded pair (worker/default_models/target and draft):
 given by folder, or under the articles' own names (``meta-llama/Meta-Llama-3-70B`` / ``-8B``)
 through a models folder (``DRAFTWISE_MODELS_DIR``) or a Hugging Face cache laid out as
-huggingface_hub lays it out. Every other flag is the article's but ``--max-model-len``: the
-articles' 4096 is past the local pair's context (2048), which draftwise refuses as vLLM does
-(one line, before any worker starts: tested here), so the commands run with 2048.
+huggingface_hub lays it out. Every other flag is the article's, ``--max-model-len 4096`` included:
+the local copies under the articles' names say a 4096-token context (``_models_dir``); given the
+embedded pair's own 2048, draftwise refuses 4096 as vLLM does (one line, before any worker
+starts: tested here).
 
 Real processes on 127.0.0.1: ``draftwise serve`` and ``python -m draftwise.entrypoints.api_server``
 started together once for the module; ``/generate`` answered in vLLM's shape, whole and streamed,
@@ -30,8 +31,9 @@ from tests.integration.procs import ENGINE_ARGS, ROOT, ServeProc, child_env, sai
 TARGET = ROOT / "worker" / "default_models" / "target"
 DRAFT = ROOT / "worker" / "default_models" / "draft"
 HUB_TARGET, HUB_DRAFT = "meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-8B"
-LOCAL_MAX_MODEL_LEN = "2048"
-"""The articles say 4096: past the local pair's context (test_the_articles_4096_is_refused_...)."""
+LOCAL_MAX_MODEL_LEN = "4096"
+"""The articles' value: the local copies under the articles' names have a 4096-token context
+(``_models_dir``); past the embedded pair's own 2048 it is refused (test_the_articles_4096_is_refused_...)."""
 PROMPT = "def fibonacci(n):"
 
 
@@ -46,12 +48,14 @@ def _http_port(serve: ServeProc) -> int:
 class ApiServerProc(ServeProc):
     """``python -m draftwise.entrypoints.api_server ARGS`` (what serve starts, HTTP on ``--port``)."""
 
-    def __init__(self, tmp: Path, *flags: str) -> None:
+    def __init__(self, tmp: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.log_file = tmp / "serve.log"
         args = [sys.executable, "-m", "draftwise.entrypoints.api_server", "--workers=1", "--log-format=json"]
         args += ["--metrics-port=0", *ENGINE_ARGS, *flags]
         with open(self.log_file, "wb") as log:
-            self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=child_env(), cwd=tmp, text=True)
+            self.popen = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=log, env=env or child_env(), cwd=tmp, text=True
+            )
         self.port = self.metrics_port = 0
         self.model = ""
 
@@ -65,10 +69,18 @@ class Servers:
 
 
 def _models_dir(root: Path) -> Path:
-    """The articles' names for the embedded pair: DIR/meta-llama/Meta-Llama-3-{70B,8B}."""
-    (root / "meta-llama").mkdir(parents=True)
-    (root / HUB_TARGET).symlink_to(TARGET, target_is_directory=True)
-    (root / HUB_DRAFT).symlink_to(DRAFT, target_is_directory=True)
+    """The articles' names for the embedded pair: DIR/meta-llama/Meta-Llama-3-{70B,8B}, local
+    checkpoints whose context is the articles' 4096 (the embedded pair's files, linked, with
+    ``max_position_embeddings`` 4096 in config.json: RoPE reads any position; the pair was
+    trained on 2048), so that the articles' ``--max-model-len 4096`` runs as written."""
+    for name, folder in ((HUB_TARGET, TARGET), (HUB_DRAFT, DRAFT)):
+        out = root / name
+        out.mkdir(parents=True)
+        for f in folder.iterdir():
+            if f.name != "config.json":
+                (out / f.name).symlink_to(f)
+        config = json.loads((folder / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     return root
 
 
@@ -87,9 +99,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     )
     api = ApiServerProc(
         tmp / "api",
-        *("--model", str(TARGET), "--draft-model", str(DRAFT), "--num-speculative-tokens", "5"),
+        *("--model", HUB_TARGET, "--draft-model", HUB_DRAFT, "--num-speculative-tokens", "5"),
         *("--use-v2-block-manager", "--gpu-memory-utilization", "0.9", "--max-model-len", LOCAL_MAX_MODEL_LEN),
         *("--port", "0"),  # the article's 8000, any free port here
+        env=child_env(DRAFTWISE_MODELS_DIR=str(models)),
     )
     try:
         serve.wait_listening()
@@ -117,7 +130,7 @@ def test_serve_under_the_articles_names(servers: Servers) -> None:
     serve = servers.serve
     assert serve.model == HUB_TARGET  # served under the name given, as vLLM does
     (kv,) = [e for e in serve.log_events() if e.get("event") == "kv cache ready"]  # the worker's
-    assert (kv["speculation"], kv["tensor_parallel_size"], kv["max_model_len"]) == ("draft", 4, 2048), kv
+    assert (kv["speculation"], kv["tensor_parallel_size"], kv["max_model_len"]) == ("draft", 4, 4096), kv
     models = requests.get(f"http://127.0.0.1:{servers.serve_http}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == [HUB_TARGET]
     body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.7, "use_beam_search": False}
