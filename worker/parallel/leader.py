@@ -74,27 +74,12 @@ class Ranks:
         self._stopping = False
         self._threads_before = torch.get_num_threads()
         self._failure: str | None = None
-        self.on_failure: Callable[[str], None] | None = None
-        """Called (from the watchdog thread) when a rank exits while the worker runs."""
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        args = ["--size", str(size), "--port", str(store.port), "--parent-pid", str(os.getpid())]
+        args += ["--threads", str(self.threads)]
         self.procs = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "draftwise.worker.engine.follower",
-                    "--rank",
-                    str(r),
-                    "--size",
-                    str(size),
-                    "--port",
-                    str(store.port),
-                    "--parent-pid",
-                    str(os.getpid()),
-                    "--threads",
-                    str(self.threads),
-                ],  # fmt: skip
-                env=env,
+                [sys.executable, "-m", "draftwise.worker.engine.follower", "--rank", str(r), *args], env=env
             )
             for r in range(1, size)
         ]
@@ -152,8 +137,6 @@ class Ranks:
             return
         self._failure = f"tensor-parallel rank {rank} exited with code {code}"
         log.error("tensor-parallel rank exited: the worker stops", rank=rank, code=code)
-        if self.on_failure is not None:
-            self.on_failure(self._failure)
 
     def close(self) -> None:
         """Stop the other ranks (they hold no state of their own: terminating them loses nothing)."""
