@@ -11,6 +11,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if os.environ.get("DRAFTWISE_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (CI runs two workers on two cores) each worker computes on one thread: two
+# workers with torch's default of one thread per core oversubscribe the cores, and OpenMP's spinning
+# threads then slow small ops down many times (a fixture that takes 12 s alone took 555 s so).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported; subprocesses inherit it
+
 
 SLOW_FOLDERS = ("reliability", "model")
 """Suites marked ``slow`` as a whole: worker kills, fuzzing and chaos (real processes, minutes),

@@ -63,7 +63,7 @@ def run_together(reqs, engine: LLMEngine) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def workload():
-    reqs = _requests(110, seed=7, vocab=8192)
+    reqs = _requests(64, seed=7, vocab=8192)  # enough to force preemption in each test below
     return reqs, run_alone(reqs)
 
 

@@ -3,7 +3,9 @@ kernel variant its eager steps can need (``ModelRunner.warm_up``), so serving la
 variant it has not launched before.
 
 Run on CPU with the Triton kernels registered for CPU tensors (the interpreter:
-tests/conftest.py sets TRITON_INTERPRET=1) on the real default model. A variant is what
+tests/conftest.py sets TRITON_INTERPRET=1) on a real embedded model: the default draft, which has
+the target's attention shapes (8 query heads, 4 key/value heads, head size 32, so the same kernel
+variants) in one layer instead of ten (the interpreter runs every launch in Python). A variant is what
 Triton compiles one binary for: the kernel, its dtypes, its constexprs and the class of
 each integer argument (``draftwise.kernels.launch_record.recording_launches`` collects them). On a
 GPU, tests/gpu/check_gpu.py counts real compilations while serving.
@@ -18,6 +20,7 @@ import pytest
 from draftwise.kernels import dispatch
 from draftwise.kernels import launch_plan as plan
 from draftwise.kernels.launch_record import recording_launches
+from draftwise.worker import default_model_path
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
@@ -54,6 +57,7 @@ def test_serving_launches_only_what_warm_up_launched(triton_on_cpu):
     with recording_launches() as warmed:
         engine = LLMEngine(
             EngineConfig(
+                model=default_model_path("draft"),  # the target's attention shapes, one layer
                 dtype="float32",
                 max_num_seqs=4,
                 max_model_len=512,

@@ -94,7 +94,7 @@ def run_together(reqs, engine: LLMEngine, finals: dict | None = None) -> dict[st
 
 @pytest.fixture(scope="module")
 def workload():
-    reqs = _requests(96, seed=11)
+    reqs = _requests(56, seed=11)  # 56: enough to force preemption in every configuration below
     return reqs, run_alone(reqs)
 
 
