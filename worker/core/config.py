@@ -9,6 +9,7 @@ from pathlib import Path
 from draftwise.worker.paths import is_model_name
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
+QUANTIZATIONS = ("fp16",)  # draftwise.worker.model.cpu_weights (torch-free here)
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
@@ -24,6 +25,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # run without a tokenizer (prompts as token ids, no text out)
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
+    quantization: str | None = (
+        None  # CPU weights: "fp16" (float16) | "int8" (per channel, activations quantized per step); float32 activations; None: the dtype's weights
+    )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step
     max_num_batched_tokens: int | None = None  # tokens in one step; None: 2048 (chunked) or max_model_len
@@ -57,6 +61,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and (self.device != "cpu" or self.dtype not in ("auto", "float32")):
+            raise ValueError(
+                f"quantization={self.quantization!r} packs CPU weights for float32 activations: it needs device cpu and "
+                f"dtype float32 or auto (got device {self.device}, dtype {self.dtype})"
+            )
         if isinstance(self.device, str) and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.block_size < 1:

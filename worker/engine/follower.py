@@ -65,7 +65,13 @@ def run(rank: int, size: int, port: int, threads: int) -> None:
         message: tuple[Any, ...] = group.receive()
         kind = message[0]
         if kind == "load":
-            loaded = load_model(message[1], dtype=config.dtype, device=device, parallel=(rank, size, group))
+            loaded = load_model(
+                message[1],
+                dtype=config.dtype,
+                device=device,
+                parallel=(rank, size, group),
+                quantization=config.quantization,
+            )
         elif kind == "size":
             assert loaded is not None
             blocks, _ = num_kv_blocks(config, loaded, None, message[1], message[2])

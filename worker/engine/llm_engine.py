@@ -74,7 +74,9 @@ class LLMEngine:
         if self.ranks is not None:
             weakref.finalize(self, self.ranks.close)
         parallel = self.ranks.parallel if self.ranks is not None else None
-        self.loaded: LoadedModel = load_model(folder, dtype=config.dtype, device=config.device, parallel=parallel)
+        self.loaded: LoadedModel = load_model(
+            folder, dtype=config.dtype, device=config.device, parallel=parallel, quantization=config.quantization
+        )
         mcfg = self.loaded.config
         self.max_model_len = sizing.model_len(config, mcfg)
         tokenizer = None

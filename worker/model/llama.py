@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
+from draftwise.worker.model.cpu_weights import PackedWeight
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
 from draftwise.worker.model.sharding import Shard
@@ -30,7 +31,10 @@ MAX_BLOCKS = 8  # a few cores already draw what memory gives; more blocks only t
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight can be laid out in memory for CPU decoding
-    (:meth:`set_cpu_layout`); ``weight`` always holds the checkpoint's values."""
+    (:meth:`set_cpu_layout`) or packed in lower precision (:meth:`quantize`); ``weight`` holds the
+    checkpoint's values unless packed (then it is empty and ``packed`` holds them)."""
+
+    packed: PackedWeight | None = None
 
     def set_cpu_layout(self, parts: int | None) -> None:
         """Lay the weight out for ``parts`` threads (None: the checkpoint's ``[out, in]``).
@@ -62,18 +66,29 @@ class Linear(nn.Linear):
             stored = w.reshape(parts, out_features // parts, in_features).transpose(1, 2).contiguous().transpose(1, 2)
         self.weight = nn.Parameter(stored, requires_grad=False)
 
+    def quantize(self, mode: str) -> None:
+        """Pack the weight in lower precision for CPU (``draftwise.worker.model.cpu_weights``:
+        "fp16"); the float weight is dropped, ``dense_weight`` unpacks the values
+        the products use."""
+        self.packed = PackedWeight(self.dense_weight(), mode)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def dense_weight(self) -> torch.Tensor:  # [out, in]
+        if self.packed is not None:
+            return self.packed.dense()
         w = self.weight
         return w if w.dim() == 2 else w.reshape(-1, w.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]  [T, in] -> [T, out]
         w = self.weight
-        if w.dim() == 2:
+        if w.dim() == 2 and self.packed is None:
             return F.linear(x, w, self.bias)
         y = self.product(x)
         return y if self.bias is None else y + self.bias
 
     def product(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], the bias left out
+        if self.packed is not None:
+            return self.packed.matmul(x)
         w = self.weight
         if w.dim() == 2:
             return F.linear(x, w)
@@ -254,6 +269,37 @@ class LlamaModel(nn.Module):
                 self.embed_tokens.weight = nn.Parameter(embedding.contiguous(), requires_grad=False)
         # not a submodule: its weight is the embedding's parameter, counted once
         object.__setattr__(self, "_lm_head", head)
+
+    def quantize(self, mode: str) -> None:
+        """Pack every projection and the LM head in lower precision for CPU (``Linear.quantize``;
+        after ``bind``). A tied LM head gets its own packed copy: the embedding keeps its float
+        rows for the lookups (a few rows a step, never streamed whole)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.quantize(mode)
+        if self.lm_head is None:
+            embedding = self._embedding_dense().contiguous()
+            self.embed_tokens.weight = nn.Parameter(embedding, requires_grad=False)
+            head = Linear(self.config.hidden_size, self.local_config.vocab_size, bias=False, device="meta")
+            head.weight = nn.Parameter(embedding, requires_grad=False)
+            head.quantize(mode)
+            object.__setattr__(self, "_lm_head", head)
+
+    def streamed_bytes(self) -> int:
+        """Bytes of weights a decode step reads whole: every parameter and packed weight, less the
+        embedding when the LM head is not it (its rows are looked up, not streamed)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if self._lm_head is not None:
+            linears.append(self._lm_head)
+        total = sum(m.packed.nbytes for m in linears if m.packed is not None)
+        seen: set[int] = set()
+        for p in [*self.parameters(), *(m.weight for m in linears)]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        if self.lm_head is not None or (self._lm_head is not None and self._lm_head.packed is not None):
+            total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
 
     def _embedding_dense(self) -> torch.Tensor:  # [vocab, hidden]
         w = self.embed_tokens.weight

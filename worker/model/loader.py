@@ -19,8 +19,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from draftwise.worker.model.cpu_weights import check_supported
 from draftwise.worker.model.gguf import gguf_config, is_gguf_path, iter_gguf_tensors, open_gguf
-from draftwise.worker.model.llama import Collectives, LlamaModel
+from draftwise.worker.model.llama import Collectives, Linear, LlamaModel
 from draftwise.worker.model.model_config import ModelConfig, ModelLoadError
 from draftwise.worker.model.sharding import Shard
 
@@ -42,7 +43,9 @@ class LoadedModel:
     folder: Path  # the checkpoint folder, or the .gguf file
     dtype: torch.dtype
     device: torch.device
-    weight_bytes: int  # bytes of parameters in memory
+    weight_bytes: int  # bytes of parameters and packed weights in memory
+    streamed_bytes: int = 0  # bytes of weights a decode step reads whole (LlamaModel.streamed_bytes)
+    quantization: str | None = None  # CPU lower-precision weights ("fp16"), None: the dtype's
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -132,10 +135,13 @@ def load_model(
     max_positions: int | None = None,
     progress: bool | None = None,
     parallel: tuple[int, int, Collectives] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file).
     ``parallel``: (rank, ranks, collectives) of a tensor-parallel rank; only the rank's shard
-    (``draftwise.worker.model.sharding``) is read and held."""
+    (``draftwise.worker.model.sharding``) is read and held. ``quantization``: pack the projections
+    and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16";
+    float32 activations, so ``dtype`` must be float32)."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
     ckpt = None  # the open GGUF file
@@ -154,6 +160,8 @@ def load_model(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"{folder}: device {device} requested but CUDA is not available")
     torch_dtype = resolve_dtype(dtype, cfg, device)
+    if quantization is not None:
+        _check_quantization(folder, quantization, torch_dtype, device)
     files, weight_map = ([folder], None) if gguf else _weight_files(folder)
 
     try:
@@ -211,19 +219,49 @@ def load_model(
             where = ", ".join(f.name for f in files)
             raise ModelLoadError(f"{folder}: tensor {missing!r} not found in {where}")
     model.bind(device)
+    if quantization is not None:
+        model.quantize(quantization)
     model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    params = sum(p.numel() for p in model.parameters()) + sum(w.numel for w in packed)  # a tied head once
+    head = model._lm_head  # noqa: SLF001 - a tied LM head's own packed copy is not a submodule
+    if head is not None and head.packed is not None:
+        packed.append(head.packed)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(w.nbytes for w in packed)
     log.info(
         "model loaded",
         folder=str(folder),
         architecture=cfg.architecture,
         dtype=str(torch_dtype).removeprefix("torch."),
+        quantization=quantization,
         device=str(device),
-        params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+        params_m=round(params / 1e6, 2),
     )
     return LoadedModel(
-        model=model, config=cfg, folder=folder, dtype=torch_dtype, device=device, weight_bytes=weight_bytes
+        model=model,
+        config=cfg,
+        folder=folder,
+        dtype=torch_dtype,
+        device=device,
+        weight_bytes=weight_bytes,
+        streamed_bytes=model.streamed_bytes(),
+        quantization=quantization,
     )
+
+
+def _check_quantization(folder: Path, mode: str, dtype: torch.dtype, device: torch.device) -> None:
+    try:
+        check_supported(mode)
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
+    if device.type != "cpu":
+        raise ModelLoadError(f"{folder}: quantization={mode!r} runs on CPU only (fbgemm), got device {device}")
+    if dtype != torch.float32:
+        name = str(dtype).removeprefix("torch.")
+        raise ModelLoadError(
+            f"{folder}: quantization={mode!r} packs the weights and keeps float32 activations: use dtype float32 "
+            f"or auto, got {name}"
+        )
 
 
 def _expected(shape: torch.Size, srcs: list[str]) -> str:
