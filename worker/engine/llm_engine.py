@@ -74,9 +74,11 @@ class LLMEngine:
         if self.ranks is not None:
             weakref.finalize(self, self.ranks.close)
         parallel = self.ranks.parallel if self.ranks is not None else None
+        clock = sizing.Phases()
         self.loaded: LoadedModel = load_model(
             folder, dtype=config.dtype, device=config.device, parallel=parallel, quantization=config.quantization
         )
+        clock.done("load_model_s")
         mcfg = self.loaded.config
         self.max_model_len = sizing.model_len(config, mcfg)
         tokenizer = None
@@ -84,11 +86,13 @@ class LLMEngine:
             tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
         self.intake = Intake(tokenizer, folder, mcfg.eos_token_ids, self.max_model_len, mcfg.vocab_size, config.seed)
         self.tokenizer: Tokenizer | None = tokenizer
+        clock.done("tokenizer_s")
         self.eos_token_ids = self.intake.eos_token_ids
         self.grammars = Grammars(self.intake.grammar)  # constrained requests' matchers
 
         max_batched = sizing.batch_token_budget(config, self.max_model_len)
         draft = load_draft(config, self.loaded, self.max_model_len) or load_spec_head(config, self.loaded)
+        clock.done("draft_s")
         # memory_profile: what the CUDA profile measured (None: not profiled)
         size_kv = lambda: sizing.num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len)  # noqa: E731
         num_blocks, self.memory_profile = (
@@ -98,6 +102,7 @@ class LLMEngine:
         self.kv_cache = KVCache(
             self.loaded.kv_config, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device
         )
+        clock.done("kv_cache_s")
         self.runner = ModelRunner(self.loaded, self.kv_cache, peers=self.ranks)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec: SpecDecoder | None = SpecDecoder.build(config, draft, self.loaded, num_blocks, self.max_model_len)
@@ -110,6 +115,8 @@ class LLMEngine:
         max_len = self.max_model_len
         self.kernel_warm_up_seconds = sizing.warm_up_kernels(runners, config.max_num_seqs, max_batched, max_len + k + 1)
         self.graph_capture_seconds = sizing.capture_graphs(self.runner, draft_runner, config, max_batched, max_len, k)
+        clock.done("warm_up_s")
+        self.startup_phases = clock.phases  # seconds of each start-up phase, as logged
         sched_config = SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.scheduler = Scheduler(sched_config, self.blocks)
         self.sampler = Sampler()
@@ -119,19 +126,7 @@ class LLMEngine:
         self.dead: str | None = None  # why the engine stopped (EngineDeadError); None while it runs
         self.num_steps = 0
         self._hidden = torch.empty(0)  # the last forward pass's hidden states, when the proposer reads them
-        log.info(
-            "kv cache ready",
-            blocks=num_blocks,
-            block_size=config.block_size,
-            capacity_tokens=capacity,
-            kv_mib=round(self.kv_cache.num_bytes / 2**20, 1),
-            weights_mib=round(self.loaded.weight_bytes / 2**20, 1),
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=max_batched,
-            attention_backend=self.runner.backend.name,
-            speculation=self.spec_method,
-            tensor_parallel_size=config.tensor_parallel_size,
-        )
+        sizing.log_ready(self, num_blocks, capacity, max_batched)
 
     @property
     def proposer(self) -> DraftModelProposer | None:

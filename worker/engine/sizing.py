@@ -9,6 +9,7 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -34,6 +35,9 @@ __all__ = [
     "num_kv_blocks",
     "warm_up_kernels",
 ]
+
+if TYPE_CHECKING:
+    from draftwise.worker.engine.llm_engine import LLMEngine
 
 log = structlog.get_logger("draftwise.engine")
 
@@ -214,3 +218,35 @@ def capture_graphs(
         enforce_eager=config.enforce_eager,
     )
     return seconds if tg or dg else 0.0
+
+
+class Phases:
+    """Seconds of each start-up phase: ``done(name)`` closes the phase running since the last call."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self._t, 3)
+        self._t = now
+
+
+def log_ready(engine: LLMEngine, num_blocks: int, capacity: int, max_batched: int) -> None:
+    """The engine's "kv cache ready" line: what it was sized to, and its start-up phases."""
+    log.info(
+        "kv cache ready",
+        blocks=num_blocks,
+        block_size=engine.config.block_size,
+        capacity_tokens=capacity,
+        kv_mib=round(engine.kv_cache.num_bytes / 2**20, 1),
+        weights_mib=round(engine.loaded.weight_bytes / 2**20, 1),
+        max_model_len=engine.max_model_len,
+        max_num_batched_tokens=max_batched,
+        attention_backend=engine.runner.backend.name,
+        speculation=engine.spec_method,
+        tensor_parallel_size=engine.config.tensor_parallel_size,
+        quantization=engine.config.quantization,
+        **engine.startup_phases,
+    )

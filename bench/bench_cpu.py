@@ -1,0 +1,387 @@
+"""The real-model CPU path against llama.cpp on the same GGUF files, each ratio measured in one run:
+
+1. ``decode``: batch-1 decode tokens/s, in-process (``LLM.generate``) for float32 and float16
+   weights (``--quantization fp16``), against ``llama-bench`` (tg) on the F32, F16, Q8_0 and
+   Q4_1 files, and against the memory roofline (bytes a step streams / read bandwidth).
+2. ``served``: the same over HTTP (``draftwise serve`` vs ``llama-server``, one request at a
+   time, non-streamed): decode tokens/s and time to first token of a 256-token prompt; our
+   served decode against our in-process decode.
+3. ``concurrent``: 8 and 32 concurrent requests (64-token prompts, 64 new tokens each) against
+   ``llama-server`` with as many slots: output tokens/s.
+4. ``startup``: seconds from ``draftwise serve --model FILE`` to its serving line.
+
+Decode rates are (N - 1) / (time of N tokens - time of 1 token), each request with a prompt of
+its own (no prefix-cache hit), greedy, ``ignore_eos``.
+
+    python bench/bench_cpu.py [--model MODEL] [--llama-cpp DIR] [--only decode,served,concurrent,startup]
+
+``--llama-cpp``: a folder with ``llama-bench``, ``llama-server`` and ``llama-quantize`` (built from
+the sources vendored in the ``llama-cpp-python`` sdist: docs/benchmarks.md, section ``cpu``).
+The F32, F16 and Q8_0 files are made once from the model's file by ``llama-quantize
+--allow-requantize`` into ``.cache/models`` (F32 holds exactly the values our loader dequantizes
+from the Q4_1 file). Without it only our own figures are measured.
+Writes docs/benchmarks.md (section ``cpu-<model>``) and bench/results/cpu_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, add_model_argument, for_model, machine, model_label, write_section  # noqa: E402
+
+from draftwise.worker.paths import resolve_model  # noqa: E402
+
+NEW = 128
+PROMPT = 64
+MODES = {"float32": ("F32", None), "fp16": ("F16", "fp16")}  # our mode -> (llama.cpp file type, --quantization)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(1000, 40000) for _ in range(length - 1)] for _ in range(n)]
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return nbytes / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def gguf_files(model: Path, bin_dir: Path | None) -> dict[str, Path]:
+    """The model's own file and, with llama.cpp, F32 / F16 / Q8_0 files made from it."""
+    files = {model.stem.rsplit(".", 1)[-1].upper(): model}
+    if bin_dir is None:
+        return files
+    out = ROOT / ".cache" / "models"
+    out.mkdir(parents=True, exist_ok=True)
+    base = model.stem.rsplit(".", 1)[0]
+    for kind in ("F32", "F16", "Q8_0"):
+        path = out / f"{base}.{kind}.gguf"
+        if not path.is_file():
+            tmp = path.with_suffix(".part")
+            subprocess.run(
+                [str(bin_dir / "llama-quantize"), "--allow-requantize", str(model), str(tmp), kind],
+                check=True,
+                capture_output=True,
+            )
+            tmp.rename(path)
+        files[kind] = path
+    return files
+
+
+# ---- in-process
+
+
+def in_process_decode(path: Path, quantization: str | None, threads: int) -> dict:
+    from draftwise.worker import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    llm = LLM(model=str(path), quantization=quantization, skip_tokenizer_init=True)
+    load_s = time.perf_counter() - t
+    ps = iter(prompts(20, PROMPT, seed=3))
+
+    def timed(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return _timed(lambda: llm.generate([next(ps)], params, use_tqdm=False))
+
+    timed(NEW)  # warm-up
+    full = statistics.median(timed(NEW) for _ in range(3))
+    first = statistics.median(timed(1) for _ in range(3))
+    loaded = llm.engine.loaded
+    out = {
+        "tokens_per_s": (NEW - 1) / (full - first),
+        "load_s": load_s,
+        "streamed_mb": loaded.streamed_bytes / 1e6,
+    }
+    return out
+
+
+def llama_bench(bin_dir: Path, path: Path, threads: int) -> float:
+    res = subprocess.run(
+        [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(NEW), "-r", "3"]
+        + ["-o", "json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(json.loads(res.stdout)[0]["avg_ts"])
+
+
+# ---- served
+
+
+class Server:
+    def __init__(self, argv: list[str], url: str, ready: str, log: Path, env: dict[str, str] | None = None) -> None:
+        self.url, self.log = url, log
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        while ready not in log.read_text():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited:\n{log.read_text()[-3000:]}")
+            if time.perf_counter() - self.t0 > 600:
+                raise RuntimeError(f"{argv[0]} not ready in 600 s")
+            time.sleep(0.05)
+        self.ready_s = time.perf_counter() - self.t0
+        self.client = httpx.Client(timeout=600)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_ours(path: Path, quantization: str | None, threads: int, tmp: Path) -> Server:
+    port = free_port()
+    argv = [
+        str(Path(sys.executable).parent / "draftwise"),
+        "serve",
+        "--model",
+        str(path),
+        "--workers",
+        "1",
+        "--model-name",
+        "bench",
+    ]
+    argv += ["--port", "0", "--http-port", str(port), "--log-level", "info", "--log-format", "json"]
+    if quantization:
+        argv += ["--quantization", quantization]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    return Server(argv, f"http://127.0.0.1:{port}", "draftwise serving", tmp / "ours.log", env)
+
+
+def start_llama(bin_dir: Path, path: Path, threads: int, slots: int, tmp: Path) -> Server:
+    port = free_port()
+    argv = [str(bin_dir / "llama-server"), "-m", str(path), "-t", str(threads), "-np", str(slots)]
+    argv += ["-c", str(slots * 2 * (PROMPT + NEW)), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    return Server(argv, f"http://127.0.0.1:{port}", "listening on http", tmp / "llama.log")
+
+
+def complete(server: Server, prompt: list[int], n: int, llama: bool) -> float:
+    if llama:
+        body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
+        t = time.perf_counter()
+        r = server.client.post(server.url + "/completion", json=body)
+        dt = time.perf_counter() - t
+        r.raise_for_status()
+        assert r.json()["tokens_predicted"] == n, r.text[:300]
+    else:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0}
+        t = time.perf_counter()
+        r = server.client.post(server.url + "/v1/completions", json=body)
+        dt = time.perf_counter() - t
+        r.raise_for_status()
+        assert r.json()["usage"]["completion_tokens"] == n, r.text[:300]
+    return dt
+
+
+def served(server: Server, llama: bool) -> dict:
+    ps = iter(prompts(40, PROMPT, seed=5))
+    long = iter(prompts(6, 256, seed=6))
+    complete(server, next(ps), 8, llama)  # warm-up
+    full = statistics.median(complete(server, next(ps), NEW, llama) for _ in range(3))
+    first = statistics.median(complete(server, next(ps), 1, llama) for _ in range(3))
+    ttft = statistics.median(complete(server, next(long), 1, llama) for _ in range(3))
+    return {"tokens_per_s": (NEW - 1) / (full - first), "ttft_256_s": ttft}
+
+
+def concurrent(server: Server, n: int, llama: bool, new: int = 64) -> float:
+    ps = prompts(n, PROMPT, seed=100 + n)
+    complete(server, ps[0][:8], 4, llama)
+    with ThreadPoolExecutor(n) as pool:
+        t = time.perf_counter()
+        list(pool.map(lambda p: complete(server, p, new, llama), ps))
+        dt = time.perf_counter() - t
+    return n * new / dt
+
+
+def model_arg(ap: argparse.ArgumentParser) -> None:
+    add_model_argument(ap)
+    ap.set_defaults(model="smollm2-135m-instruct")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arg(ap)
+    ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_BIN"))
+    ap.add_argument("--only", default="decode,served,concurrent,startup")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    which = set(args.only.split(","))
+    model = resolve_model(args.model)
+    files = gguf_files(model, args.llama_cpp)
+    name = for_model("cpu", args.model, "_")
+    out_path = ROOT / "bench" / "results" / f"{name}.json"
+    r: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
+    r.update({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": args.model, "threads": args.threads})
+    r["files"] = {k: f"{v.name} ({v.stat().st_size / 1e6:.0f} MB)" for k, v in files.items()}
+
+    def save() -> None:
+        out_path.parent.mkdir(exist_ok=True)
+        out_path.write_text(json.dumps(r, indent=1) + "\n")
+        write_section(for_model("cpu", args.model), render(r))
+
+    if "decode" in which:
+        r["read_gb_s"] = read_bandwidth() / 1e9
+        r["decode"] = {}
+        for mode, (kind, quant) in MODES.items():
+            path = files.get(kind, model)
+            r["decode"][mode] = in_process_decode(path, quant, args.threads)
+            r["decode"][mode]["file"] = path.name
+            print(mode, r["decode"][mode], flush=True)
+        if args.llama_cpp:
+            r["llama_bench"] = {k: llama_bench(args.llama_cpp, p, args.threads) for k, p in files.items()}
+            print(r["llama_bench"], flush=True)
+        save()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if which & {"served", "concurrent", "startup"}:
+            r.setdefault("served", {})
+            r.setdefault("concurrent", {})
+            r.setdefault("startup_s", {})
+            for mode, (kind, quant) in MODES.items():
+                path = files.get(kind, model)
+                s = start_ours(path, quant, args.threads, tmp)
+                try:
+                    r["startup_s"][mode] = s.ready_s
+                    if "served" in which:
+                        r["served"][mode] = served(s, llama=False)
+                    if "concurrent" in which:
+                        r["concurrent"][mode] = {str(n): concurrent(s, n, llama=False) for n in (8, 32)}
+                finally:
+                    s.close()
+                print(mode, r["served"].get(mode), r["concurrent"].get(mode), r["startup_s"][mode], flush=True)
+                save()
+                if args.llama_cpp and which & {"served", "concurrent"}:
+                    s = start_llama(args.llama_cpp, path, args.threads, 32, tmp)
+                    try:
+                        key = f"llama.cpp {kind}"
+                        if "served" in which:
+                            r["served"][key] = served(s, llama=True)
+                        if "concurrent" in which:
+                            r["concurrent"][key] = {str(n): concurrent(s, n, llama=True) for n in (8, 32)}
+                    finally:
+                        s.close()
+                    print(key, r["served"].get(key), r["concurrent"].get(key), flush=True)
+                    save()
+    save()
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def render(r: dict) -> str:
+    model = r.get("model")
+    lines = [
+        f"## CPU path against llama.cpp ({model_label(model)})",
+        "",
+        f"Command: `python bench/bench_cpu.py --model {model} --llama-cpp DIR` — {r.get('date')}, {r.get('machine')}, "
+        f"{r.get('threads')} threads everywhere. Files: "
+        + ", ".join(f"{k}: {v}" for k, v in r.get("files", {}).items())
+        + ".",
+        "",
+    ]
+    dec, lb = r.get("decode", {}), r.get("llama_bench", {})
+    if dec:
+        bw = r.get("read_gb_s", 0) * 1e9
+        lines += [
+            "### Batch-1 decode, in-process (tokens/s)",
+            "",
+            "| draftwise mode | file | tokens/s | llama.cpp, same file | ratio (goal >= 1.0) | roofline fraction (goal >= 0.5) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for mode, (kind, _) in MODES.items():
+            d = dec.get(mode)
+            if not d:
+                continue
+            roof = bw / (d["streamed_mb"] * 1e6) if bw else None
+            theirs = lb.get(kind)
+            lines.append(
+                f"| {mode} | {d['file']} | {d['tokens_per_s']:.1f} | {theirs or 0:.1f} | "
+                f"{_ratio(d['tokens_per_s'], theirs)} | {d['tokens_per_s'] / roof if roof else 0:.2f} "
+                f"({d['streamed_mb']:.0f} MB a step at {bw / 1e9:.1f} GB/s) |"
+            )
+        best = max((d["tokens_per_s"] for d in dec.values()), default=0)
+        for kind in ("Q8_0", "Q4_1"):
+            if kind in lb:
+                lines.append(
+                    f"| fastest of ours vs llama.cpp {kind} (goal >= 0.8) | | {best:.1f} | {lb[kind]:.1f} | "
+                    f"{_ratio(best, lb[kind])} | |"
+                )
+        lines.append("")
+    sv = r.get("served", {})
+    if sv:
+        lines += [
+            "### Served over HTTP, one request at a time",
+            "",
+            "| server | decode tokens/s | served / in-process (goal within 10%) | TTFT, 256-token prompt (s) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for key, v in sv.items():
+            inproc = dec.get(key, {}).get("tokens_per_s")
+            lines.append(
+                f"| {key} | {v['tokens_per_s']:.1f} | {_ratio(v['tokens_per_s'], inproc) if inproc else '-'} | "
+                f"{v['ttft_256_s']:.3f} |"
+            )
+        lines.append("")
+    cc = r.get("concurrent", {})
+    if cc:
+        lines += [
+            "### Concurrent requests (64-token prompts, 64 new tokens each; llama-server with 32 slots)",
+            "",
+            "| server | 8 requests: tokens/s | 32 requests: tokens/s | 32: vs llama.cpp, same file (goal >= 2x) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for key, v in cc.items():
+            kind = MODES.get(key, ("",))[0]
+            theirs = cc.get(f"llama.cpp {kind}", {}).get("32")
+            lines.append(f"| {key} | {v['8']:.1f} | {v['32']:.1f} | {_ratio(v['32'], theirs) if kind else ''} |")
+        lines.append("")
+    st = r.get("startup_s", {})
+    if st:
+        lines += [
+            "### Start-up: `draftwise serve --model FILE` to its serving line (goal <= 15 s)",
+            "",
+            "| mode | seconds |",
+            "| --- | --- |",
+            *[f"| {k} | {v:.1f} |" for k, v in st.items()],
+            "",
+        ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
