@@ -9,7 +9,7 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import structlog
 import torch
@@ -35,9 +35,6 @@ __all__ = [
     "num_kv_blocks",
     "warm_up_kernels",
 ]
-
-if TYPE_CHECKING:
-    from draftwise.worker.engine.llm_engine import LLMEngine
 
 log = structlog.get_logger("draftwise.engine")
 
@@ -233,8 +230,8 @@ class Phases:
         self._t = now
 
 
-def log_ready(engine: LLMEngine, num_blocks: int, capacity: int, max_batched: int) -> None:
-    """The engine's "kv cache ready" line: what it was sized to, and its start-up phases."""
+def log_ready(engine: Any, num_blocks: int, capacity: int, max_batched: int) -> None:
+    """The engine's (an ``LLMEngine``'s) "kv cache ready" line: what it was sized to, and its start-up phases."""
     log.info(
         "kv cache ready",
         blocks=num_blocks,

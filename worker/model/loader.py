@@ -223,7 +223,7 @@ def load_model(
         model.quantize(quantization)
     model.eval()
     packed = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
-    params = sum(p.numel() for p in model.parameters()) + sum(w.numel for w in packed)  # a tied head once
+    param_count = sum(p.numel() for p in model.parameters()) + sum(w.numel for w in packed)  # a tied head once
     head = model._lm_head  # noqa: SLF001 - a tied LM head's own packed copy is not a submodule
     if head is not None and head.packed is not None:
         packed.append(head.packed)
@@ -235,7 +235,7 @@ def load_model(
         dtype=str(torch_dtype).removeprefix("torch."),
         quantization=quantization,
         device=str(device),
-        params_m=round(params / 1e6, 2),
+        params_m=round(param_count / 1e6, 2),
     )
     return LoadedModel(
         model=model,
