@@ -1,5 +1,8 @@
 """The real-model CPU path against llama.cpp on the same GGUF files, each ratio measured in one run:
 
+0. ``products``: the model's weight products alone for 1-64 rows: float32 (the engine's column
+   blocks), fp16 (fbgemm), and torch's CPU kernels not offered (weight-only int8 and int4,
+   fbgemm's dynamic int8, with its accuracy against float32).
 1. ``decode``: batch-1 decode tokens/s, in-process (``LLM.generate``) for float32 and float16
    weights (``--quantization fp16``), against ``llama-bench`` (tg) on the F32, F16, Q8_0 and
    Q4_1 files, and against the memory roofline (bytes a step streams / read bandwidth).
@@ -13,7 +16,7 @@
 Decode rates are (N - 1) / (time of N tokens - time of 1 token), each request with a prompt of
 its own (no prefix-cache hit), greedy, ``ignore_eos``.
 
-    python bench/bench_cpu.py [--model MODEL] [--llama-cpp DIR] [--only decode,served,concurrent,startup]
+    python bench/bench_cpu.py [--model MODEL] [--llama-cpp DIR] [--only products,decode,served,concurrent,startup]
 
 ``--llama-cpp``: a folder with ``llama-bench``, ``llama-server`` and ``llama-quantize`` (built from
 the sources vendored in the ``llama-cpp-python`` sdist: docs/benchmarks.md, section ``cpu``).
@@ -231,6 +234,115 @@ def concurrent(server: Server, n: int, llama: bool, new: int = 64) -> float:
     return n * new / dt
 
 
+# ---- the weight products alone, and the kernels not offered
+
+
+def _products(fns: list, widths: list[int], rows: int, repeats: int = 7) -> float:
+    """Median seconds of every projection's product, back to back, for ``rows`` rows."""
+    xs = {w: torch.randn(rows, w) for w in set(widths)}
+
+    def once() -> None:
+        for f, w in zip(fns, widths, strict=True):
+            f(xs[w])
+
+    once()
+    return statistics.median(_timed(once) for _ in range(repeats))
+
+
+def products(path: Path, threads: int) -> dict:
+    """Per row count: ms of the model's products for float32 (the engine's column blocks), fp16
+    (fbgemm), and torch's other CPU kernels: weight-only int8 and int4, fbgemm's dynamic int8."""
+    import warnings
+
+    from draftwise.worker.model.llama import Linear
+    from draftwise.worker.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    out: dict = {}
+    ref = load_model(path).model
+    layers = [m for m in ref.modules() if isinstance(m, Linear)] + [ref._lm_head or ref.lm_head]  # noqa: SLF001
+    dense = [m.dense_weight() for m in layers if m is not None]
+    widths = [w.shape[1] for w in dense]
+    kernels: dict[str, list] = {"float32 (column blocks)": [m.product for m in layers if m is not None]}
+    fp16 = load_model(path, quantization="fp16").model
+    packed = [m for m in fp16.modules() if isinstance(m, Linear)] + [fp16._lm_head or fp16.lm_head]  # noqa: SLF001
+    kernels["fp16 (fbgemm)"] = [m.product for m in packed if m is not None]
+    int8 = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for w in dense:
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+            q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+            int8.append(torch.ops.quantized.linear_prepack(q, None))
+    kernels["int8 dynamic (fbgemm, activations 7-bit)"] = [
+        lambda x, p=p: torch.ops.quantized.linear_dynamic(x, p, True) for p in int8
+    ]
+    pack8 = [((w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8), w.abs().amax(1) / 127) for w in dense]
+    kernels["int8 weight-only (torch._weight_int8pack_mm)"] = [
+        lambda x, q=q, s=s: torch._weight_int8pack_mm(x, q, s) for q, s in pack8
+    ]
+    pack4 = []
+    for w in dense:
+        o, i = w.shape
+        g = w.reshape(o, i // 32, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        sc = ((hi - lo) / 15).clamp(min=1e-8)
+        q = ((g - lo[..., None]) / sc[..., None]).round().clamp(0, 15).to(torch.int32).reshape(o, i)
+        zeros = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous()
+        pack4.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), zeros))
+    kernels["int4 weight-only (torch._weight_int4pack_mm_for_cpu)"] = [
+        lambda x, p=p, z=z: torch._weight_int4pack_mm_for_cpu(x, p, 32, z) for p, z in pack4
+    ]
+    for rows in (1, 2, 4, 8, 16, 64):
+        out[str(rows)] = {name: 1e3 * _products(fns, widths, rows) for name, fns in kernels.items()}
+        print(rows, out[str(rows)], flush=True)
+    return out
+
+
+def int8_agreement(path: Path, texts: list[str]) -> dict:
+    """fbgemm's dynamic int8 against float32, teacher-forced over ``texts``: max |logit diff| and
+    argmax agreement (what keeps it out of the offered modes)."""
+    import warnings
+
+    from draftwise.worker.model.kv_cache import KVCache
+    from draftwise.worker.model.llama import Linear
+    from draftwise.worker.model.loader import load_model
+    from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
+    from draftwise.worker.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    ids = [tok.encode(t)[:200] for t in texts]
+
+    def logits(loaded) -> list[torch.Tensor]:
+        runner = ModelRunner(loaded, KVCache(loaded.kv_config, 16, 16, torch.float32, "cpu"))
+        return [runner.run([SequenceChunk(p, 0, list(range(16)), num_logits=len(p))]) for p in ids]
+
+    ref = logits(load_model(path))
+    loaded = load_model(path)
+    model = loaded.model
+
+    class Int8:
+        def __init__(self, w: torch.Tensor) -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                s = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
+                q = torch.quantize_per_channel(w, s, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+            self.p = torch.ops.quantized.linear_prepack(q, None)
+
+        def matmul(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.quantized.linear_dynamic(x.contiguous(), self.p, True)
+
+    for m in [m for m in model.modules() if isinstance(m, Linear)]:
+        m.packed = Int8(m.dense_weight())  # type: ignore[assignment]
+    got = logits(loaded)
+    n = sum(len(p) for p in ids)
+    return {
+        "positions": n,
+        "max_abs_logit_diff": max((a - b).abs().max().item() for a, b in zip(ref, got, strict=True)),
+        "argmax_agreement": sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(ref, got, strict=True)) / n,
+    }
+
+
 def model_arg(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
     ap.set_defaults(model="smollm2-135m-instruct")
@@ -240,7 +352,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arg(ap)
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_BIN"))
-    ap.add_argument("--only", default="decode,served,concurrent,startup")
+    ap.add_argument("--only", default="products,decode,served,concurrent,startup")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     which = set(args.only.split(","))
@@ -257,6 +369,12 @@ def main() -> None:
         out_path.write_text(json.dumps(r, indent=1) + "\n")
         write_section(for_model("cpu", args.model), render(r))
 
+    if "products" in which:
+        r["products_ms"] = products(files.get("F32", model), args.threads)
+        texts = [p.read_text()[:2000] for p in sorted((ROOT / "docs").glob("*.md"))[:6]]
+        r["int8_dynamic_accuracy"] = int8_agreement(model, texts)
+        print(r["int8_dynamic_accuracy"], flush=True)
+        save()
     if "decode" in which:
         r["read_gb_s"] = read_bandwidth() / 1e9
         r["decode"] = {}
@@ -320,7 +438,32 @@ def render(r: dict) -> str:
         + ", ".join(f"{k}: {v}" for k, v in r.get("files", {}).items())
         + ".",
         "",
+        "llama.cpp: `llama-bench`, `llama-server` and `llama-quantize` built from the llama.cpp sources vendored in "
+        "the `llama-cpp-python` 0.3.36 sdist (`pip download --no-deps --no-binary :all: llama-cpp-python`; in its "
+        "`vendor/llama.cpp`: `cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "
+        "-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF && cmake --build build -j 2 --target llama-server llama-bench "
+        "llama-quantize`, about 25 minutes on 2 cores); llama-server with 32 slots, `cache_prompt: false`.",
+        "",
     ]
+    pm = r.get("products_ms")
+    if pm:
+        names = list(next(iter(pm.values())))
+        lines += [
+            "### The weight products alone (ms for every projection and the LM head, back to back)",
+            "",
+            "| rows | " + " | ".join(names) + " |",
+            "| --- |" + " --- |" * len(names),
+            *[f"| {rows} | " + " | ".join(f"{v[n]:.1f}" for n in names) + " |" for rows, v in pm.items()],
+            "",
+        ]
+        acc = r.get("int8_dynamic_accuracy")
+        if acc:
+            lines += [
+                f"fbgemm's dynamic int8 against float32, teacher-forced over {acc['positions']} tokens of held-out text: "
+                f"max |logit diff| {acc['max_abs_logit_diff']:.2f}, argmax agreement {acc['argmax_agreement']:.1%} "
+                "(not offered; fp16's: docs/models.md).",
+                "",
+            ]
     dec, lb = r.get("decode", {}), r.get("llama_bench", {})
     if dec:
         bw = r.get("read_gb_s", 0) * 1e9

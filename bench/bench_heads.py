@@ -86,7 +86,8 @@ def build_engines(args, methods: list[str], max_model_len: int, max_seqs: int) -
             continue
         spec = method_spec(m, args.k, args.fixed_k, args.head_dir)
         try:
-            llms[m] = _llm(model=args.model, max_model_len=max_model_len, max_num_seqs=max_seqs, **spec)
+            weights = {"quantization": args.quantization} if args.quantization else {}
+            llms[m] = _llm(model=args.model, max_model_len=max_model_len, max_num_seqs=max_seqs, **weights, **spec)
         except Exception as e:  # a missing head is reported, not fatal: the other methods still run
             if m == "plain":
                 raise
@@ -231,10 +232,14 @@ def make_random_heads(model: str | None, folder: Path) -> None:
     save_head(folder / "medusa", MedusaHeads(cfg.hidden_size, 4), ids, "random test head", target.model)
 
 
+def _weights(r: dict) -> str:
+    return "float16 weights" if r.get("quantization") == "fp16" else "float32"
+
+
 def render(r: dict) -> str:
     slug = r["model_slug"]
     lines = [
-        f"## Trained draft heads against plain decoding (`{slug}`, float32, CPU)",
+        f"## Trained draft heads against plain decoding (`{slug}`, {_weights(r)}, CPU)",
         "",
         f"Command: `{r['command']}` — {r['date']}, {r['machine']}",
         "",
@@ -322,7 +327,7 @@ def plot(r: dict, path: Path) -> Path:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s over plain decoding")
-    ax.set_title(f"Speculation methods against concurrency ({r['model_slug']}, float32, CPU)", fontsize=10)
+    ax.set_title(f"Speculation methods against concurrency ({r['model_slug']}, {_weights(r)}, CPU)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.text(0.01, 0.01, f"bench/bench_heads.py, {r['date']}, {r['machine']}", fontsize=6, alpha=0.7)
@@ -358,6 +363,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="most tokens drafted per step (default: the engine's, 5)")
     ap.add_argument("--fixed-k", action="store_true", help="always draft exactly k (the adaptive policy off)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, choices=["fp16"], help="CPU float16 weights for every engine")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per level; each method keeps its fastest")
     ap.add_argument(
         "--quick",
@@ -369,7 +375,7 @@ def main() -> None:
     ap.add_argument("--head-dir", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--random-heads", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    slug = model_slug(args.model)
+    slug = model_slug(args.model) + (f"-{args.quantization}" if args.quantization else "")
     results = ROOT / "bench" / "results" / f"heads_{slug}.json"
     img = ROOT / "docs" / "img" / f"heads_speedup_{slug}.svg"
     if args.replot:
@@ -416,6 +422,7 @@ def main() -> None:
         "command": "python " + shlex.join(["bench/bench_heads.py", *sys.argv[1:]]),
         "model": args.model,
         "model_slug": slug,
+        "quantization": args.quantization,
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "threads": torch.get_num_threads(),

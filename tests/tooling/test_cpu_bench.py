@@ -1,0 +1,46 @@
+"""bench/bench_cpu.py: the section it writes from its results (every ratio computed from the
+two figures beside it), and the files it compares without llama.cpp (the model's own only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_cpu as bc  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "cpu_smollm2-135m-instruct.json"
+
+
+def test_the_committed_results_render_with_their_ratios() -> None:
+    r = json.loads(RESULTS.read_text())
+    text = bc.render(r)
+    f32 = r["decode"]["float32"]["tokens_per_s"]
+    theirs = r["llama_bench"]["F32"]
+    row = next(line for line in text.splitlines() if line.startswith("| float32 | "))
+    assert f"| {f32:.1f} | {theirs:.1f} | {f32 / theirs:.2f}x |" in row
+    served = r["served"]["fp16"]["tokens_per_s"] / r["decode"]["fp16"]["tokens_per_s"]
+    served_row = text.split("### Served over HTTP")[1].split("\n| fp16 | ")[1].splitlines()[0]
+    assert f"| {served:.2f}x |" in served_row
+    assert "goal <= 15 s" in text and "llama-server with 32 slots" in text
+
+
+def test_the_products_table_and_the_int8_line() -> None:
+    r = {
+        "model": "m",
+        "products_ms": {"1": {"a": 10.0, "b": 5.25}, "4": {"a": 20.0, "b": 6.0}},
+        "int8_dynamic_accuracy": {"positions": 100, "max_abs_logit_diff": 3.5, "argmax_agreement": 0.4},
+    }
+    lines = bc.render(r).splitlines()
+    assert "| rows | a | b |" in lines
+    assert "| 1 | 10.0 | 5.2 |" in lines or "| 1 | 10.0 | 5.3 |" in lines
+    assert any("argmax agreement 40.0%" in line for line in lines)
+
+
+def test_without_llama_cpp_only_the_models_own_file_is_compared(tmp_path: Path) -> None:
+    model = tmp_path / "Some-Model.Q4_1.gguf"
+    model.write_bytes(b"GGUF")
+    assert bc.gguf_files(model, None) == {"Q4_1": model}
