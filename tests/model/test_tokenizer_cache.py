@@ -78,15 +78,3 @@ def test_another_file_at_the_same_path_gets_another_entry(tmp_path):
     assert gguf_tokenizer_cache(path) != before
     path.write_bytes(b"GGUF" + bytes(61))
     assert gguf_tokenizer_cache(path) not in (before, None)
-
-
-def test_loading_in_the_background_gives_the_tokenizer_or_its_error(tmp_path):
-    from draftwise.worker import default_model_path
-    from draftwise.worker.model.model_config import ModelLoadError
-    from draftwise.worker.text.tokenizer import start_loading
-
-    folder = default_model_path("target")
-    assert start_loading(folder)().encode("def f(x):") == load_tokenizer(folder).encode("def f(x):")
-    wait = start_loading(tmp_path)  # no tokenizer there
-    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
-        wait()

@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import structlog
 import torch
@@ -49,7 +50,7 @@ from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.speculative.loading import check_speculative_model, load_draft, load_spec_head
 from draftwise.worker.text.chat import ChatPrompt, RenderedChat
 from draftwise.worker.text.output_processor import Appended, OutputProcessor
-from draftwise.worker.text.tokenizer import Tokenizer, start_loading
+from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("draftwise.engine")
 
@@ -74,14 +75,15 @@ class LLMEngine:
             weakref.finalize(self, self.ranks.close)
         parallel = self.ranks.parallel if self.ranks is not None else None
         clock = sizing.Phases()
-        tokenizer_ready = None if config.skip_tokenizer_init else start_loading(config.tokenizer or folder)
         self.loaded: LoadedModel = load_model(
             folder, dtype=config.dtype, device=config.device, parallel=parallel, quantization=config.quantization
         )
         clock.done("load_model_s")
         mcfg = self.loaded.config
         self.max_model_len = sizing.model_len(config, mcfg)
-        tokenizer = None if tokenizer_ready is None else tokenizer_ready()  # the wait beyond the weights' load
+        tokenizer = None
+        if not config.skip_tokenizer_init:
+            tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else folder)
         self.intake = Intake(tokenizer, folder, mcfg.eos_token_ids, self.max_model_len, mcfg.vocab_size, config.seed)
         self.tokenizer: Tokenizer | None = tokenizer
         clock.done("tokenizer_s")

@@ -15,8 +15,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,30 +64,6 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
         return Tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{folder}: tokenizer could not be loaded ({e})") from None
-
-
-def start_loading(folder: str | Path) -> Callable[[], Tokenizer]:
-    """Load the tokenizer in a background thread (the engine starts it before the model's weights,
-    so that a GGUF file's conversion, mostly Python, overlaps the weights' loading, mostly native
-    code); the call returned waits for it and returns it, or raises what loading raised."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["tokenizer"] = load_tokenizer(folder)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="draftwise-tokenizer", daemon=True)
-    thread.start()
-
-    def result() -> Tokenizer:
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["tokenizer"]
-
-    return result
 
 
 def _load_gguf_tokenizer(path: Path) -> Tokenizer:
