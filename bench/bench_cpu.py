@@ -362,7 +362,7 @@ def main() -> None:
     out_path = ROOT / "bench" / "results" / f"{name}.json"
     r: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     r.update({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": args.model, "threads": args.threads})
-    r["files"] = {k: f"{v.name} ({v.stat().st_size / 1e6:.0f} MB)" for k, v in files.items()}
+    r.setdefault("files", {}).update({k: f"{v.name} ({v.stat().st_size / 1e6:.0f} MB)" for k, v in files.items()})
 
     def save() -> None:
         out_path.parent.mkdir(exist_ok=True)
@@ -443,6 +443,9 @@ def render(r: dict) -> str:
         "`vendor/llama.cpp`: `cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "
         "-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF && cmake --build build -j 2 --target llama-server llama-bench "
         "llama-quantize`, about 25 minutes on 2 cores); llama-server with 32 slots, `cache_prompt: false`.",
+        "",
+        "`--only` reruns some sections and keeps the others' results: a section's figures come from one invocation "
+        "(every ratio compares figures of the same invocation), different sections may come from different ones.",
         "",
     ]
     pm = r.get("products_ms")
