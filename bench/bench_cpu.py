@@ -249,34 +249,38 @@ def _products(fns: list, widths: list[int], rows: int, repeats: int = 7) -> floa
     return statistics.median(_timed(once) for _ in range(repeats))
 
 
+class DynamicInt8:
+    """fbgemm's dynamic int8 product of a weight ``[out, in]`` (per-channel int8 weights,
+    activations quantized to 7 bits per call): measured here, not offered (docs/models.md)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        import warnings
+
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
+        with warnings.catch_warnings():  # quantized tensors are deprecated as an API; fbgemm's op takes them
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(q, None)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.contiguous(), self._packed, True)
+
+
 def products(path: Path, threads: int) -> dict:
     """Per row count: ms of the model's products for float32 (the engine's column blocks), fp16
     (fbgemm), and torch's other CPU kernels: weight-only int8 and int4, fbgemm's dynamic int8."""
-    import warnings
-
-    from draftwise.worker.model.llama import Linear
     from draftwise.worker.model.loader import load_model
 
     torch.set_num_threads(threads)
     out: dict = {}
-    ref = load_model(path).model
-    layers = [m for m in ref.modules() if isinstance(m, Linear)] + [ref._lm_head or ref.lm_head]  # noqa: SLF001
-    dense = [m.dense_weight() for m in layers if m is not None]
+    layers = load_model(path).model.linears()
+    dense = [m.dense_weight() for m in layers]
     widths = [w.shape[1] for w in dense]
-    kernels: dict[str, list] = {"float32 (column blocks)": [m.product for m in layers if m is not None]}
-    fp16 = load_model(path, quantization="fp16").model
-    packed = [m for m in fp16.modules() if isinstance(m, Linear)] + [fp16._lm_head or fp16.lm_head]  # noqa: SLF001
-    kernels["fp16 (fbgemm)"] = [m.product for m in packed if m is not None]
-    int8 = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for w in dense:
-            scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-            q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-            int8.append(torch.ops.quantized.linear_prepack(q, None))
-    kernels["int8 dynamic (fbgemm, activations 7-bit)"] = [
-        lambda x, p=p: torch.ops.quantized.linear_dynamic(x, p, True) for p in int8
-    ]
+    kernels: dict[str, list] = {
+        "float32 (column blocks)": [m.product for m in layers],
+        "fp16 (fbgemm)": [m.product for m in load_model(path, quantization="fp16").model.linears()],
+        "int8 dynamic (fbgemm, activations 7-bit)": [DynamicInt8(w).matmul for w in dense],
+    }
     pack8 = [((w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8), w.abs().amax(1) / 127) for w in dense]
     kernels["int8 weight-only (torch._weight_int8pack_mm)"] = [
         lambda x, q=q, s=s: torch._weight_int8pack_mm(x, q, s) for q, s in pack8
@@ -300,12 +304,9 @@ def products(path: Path, threads: int) -> dict:
 
 
 def int8_agreement(path: Path, texts: list[str]) -> dict:
-    """fbgemm's dynamic int8 against float32, teacher-forced over ``texts``: max |logit diff| and
-    argmax agreement (what keeps it out of the offered modes)."""
-    import warnings
-
+    """fbgemm's dynamic int8 (every projection and the LM head) against float32, teacher-forced
+    over ``texts``: max |logit diff| and argmax agreement (what keeps it out of the offered modes)."""
     from draftwise.worker.model.kv_cache import KVCache
-    from draftwise.worker.model.llama import Linear
     from draftwise.worker.model.loader import load_model
     from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
     from draftwise.worker.text.tokenizer import load_tokenizer
@@ -319,21 +320,8 @@ def int8_agreement(path: Path, texts: list[str]) -> dict:
 
     ref = logits(load_model(path))
     loaded = load_model(path)
-    model = loaded.model
-
-    class Int8:
-        def __init__(self, w: torch.Tensor) -> None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                s = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
-                q = torch.quantize_per_channel(w, s, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-            self.p = torch.ops.quantized.linear_prepack(q, None)
-
-        def matmul(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.quantized.linear_dynamic(x.contiguous(), self.p, True)
-
-    for m in [m for m in model.modules() if isinstance(m, Linear)]:
-        m.packed = Int8(m.dense_weight())  # type: ignore[assignment]
+    for m in loaded.model.linears():
+        m.packed = DynamicInt8(m.dense_weight())  # type: ignore[assignment]  # the packed product's interface
     got = logits(loaded)
     n = sum(len(p) for p in ids)
     return {

@@ -38,6 +38,7 @@ __all__ = [
     "MODEL_ALIASES",
     "default_model_path",
     "find_local_copy",
+    "draftwise_cache_dir",
     "hub_cache_dir",
     "is_hub_name",
     "is_model_name",
@@ -90,6 +91,19 @@ def models_dirs() -> list[Path]:
     return [Path(p).expanduser() for p in os.environ.get(MODELS_DIR_ENV, "").split(os.pathsep) if p.strip()]
 
 
+def user_cache_dir() -> Path:
+    """``XDG_CACHE_HOME``, else ``~/.cache``."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+
+
+def draftwise_cache_dir() -> Path:
+    """What draftwise keeps between runs (converted tokenizers): ``DRAFTWISE_CACHE_DIR``, else
+    ``user_cache_dir()/draftwise``."""
+    own = os.environ.get("DRAFTWISE_CACHE_DIR")
+    return Path(own).expanduser() if own else user_cache_dir() / "draftwise"
+
+
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache, as huggingface_hub finds it: ``HF_HUB_CACHE``, else
     ``HF_HOME/hub``, else ``XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
@@ -98,8 +112,7 @@ def hub_cache_dir() -> Path:
         return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
     if env.get("HF_HOME"):
         return Path(env["HF_HOME"]).expanduser() / "hub"
-    cache = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return cache / "huggingface" / "hub"
+    return user_cache_dir() / "huggingface" / "hub"
 
 
 _MARKERS = ("config.json", "draftwise_head.json")

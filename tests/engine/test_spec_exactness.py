@@ -57,8 +57,9 @@ def _config(**kw) -> EngineConfig:
     return EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True, **kw)
 
 
-def run_alone(reqs) -> dict[str, list[int]]:
-    engine = LLMEngine(_config(num_kv_blocks=64))
+def run_alone(reqs, **config) -> dict[str, list[int]]:
+    """Each request's tokens with no other request in the engine (``config``: more EngineConfig fields)."""
+    engine = LLMEngine(_config(num_kv_blocks=64, **config))
     out = {}
     for rid, prompt, params, _ in reqs:
         engine.add_request(rid, prompt, params)

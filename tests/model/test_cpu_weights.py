@@ -32,7 +32,7 @@ from draftwise.worker.model.loader import load_model
 from draftwise.worker.model.model_config import ModelLoadError
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.text.tokenizer import load_tokenizer
-from tests.engine.test_spec_exactness import _config, _requests, run_together
+from tests.engine.test_spec_exactness import _config, _requests, run_alone, run_together
 from tests.model.smollm2 import require_smollm2
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"  # held-out text: no model here was trained on it
@@ -119,14 +119,7 @@ def test_smollm2_fp16_logits_stay_within_the_documented_tolerance():
 @pytest.fixture(scope="module")
 def fp16_workload():
     reqs = _requests(40, seed=7)
-    engine = LLMEngine(_config(num_kv_blocks=64, quantization="fp16"))
-    alone = {}
-    for rid, prompt, params, _ in reqs:
-        engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            for o in engine.step().finished:
-                alone[o.request_id] = o.outputs[0].token_ids
-    return reqs, alone
+    return reqs, run_alone(reqs, quantization="fp16")
 
 
 FIXED_K = {"num_speculative_tokens": 4, "speculative_adaptive": False}  # drafts every step, so that some are accepted
@@ -199,8 +192,7 @@ def test_a_decode_step_converts_no_weight_and_runs_on_the_configured_threads(mod
     copies, events = _weight_copies(engine)
     assert torch.get_num_threads() == threads
     assert not copies, [(e.name, e.input_shapes) for e in copies[:5]]
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    products = len(linears) + (1 if model._lm_head is not None else 0)  # noqa: SLF001
+    products = len(model.linears())  # every projection and the LM head, one product each
     if mode == "fp16":
         assert sum(e.name == "quantized::linear_dynamic_fp16" for e in events) == products
     else:

@@ -26,7 +26,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
     quantization: str | None = (
-        None  # CPU weights: "fp16" (float16) | "int8" (per channel, activations quantized per step); float32 activations; None: the dtype's weights
+        None  # "fp16": CPU weights packed in float16 for fbgemm, float32 activations (docs/models.md); None: the dtype's weights
     )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step

@@ -50,8 +50,7 @@ class PackedWeight:
         if weight.device.type != "cpu":
             raise ValueError(f"quantization={mode!r} runs on CPU only, got a weight on {weight.device}")
         w = weight.detach().to(torch.float32).contiguous()
-        self.mode = mode
-        self.out_features, self.in_features = w.shape
+        self.out_features = w.shape[0]
         self.numel = w.numel()
         self.nbytes = w.numel() * 2
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, None)

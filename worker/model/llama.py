@@ -285,21 +285,22 @@ class LlamaModel(nn.Module):
             head.quantize(mode)
             object.__setattr__(self, "_lm_head", head)
 
+    def linears(self) -> list[Linear]:
+        """Every projection, and the tied LM head laid out or packed on CPU (not a submodule)."""
+        found = [m for m in self.modules() if isinstance(m, Linear)]
+        return found if self._lm_head is None else [*found, self._lm_head]
+
+    def memory_bytes(self) -> int:
+        """Bytes of parameters and packed weights held (a tensor shared by two names once)."""
+        packed = sum(m.packed.nbytes for m in self.linears() if m.packed is not None)
+        return packed + sum(p.numel() * p.element_size() for p in self.parameters())
+
     def streamed_bytes(self) -> int:
-        """Bytes of weights a decode step reads whole: every parameter and packed weight, less the
-        embedding when the LM head is not it (its rows are looked up, not streamed)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if self._lm_head is not None:
-            linears.append(self._lm_head)
-        total = sum(m.packed.nbytes for m in linears if m.packed is not None)
-        seen: set[int] = set()
-        for p in [*self.parameters(), *(m.weight for m in linears)]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        if self.lm_head is not None or (self._lm_head is not None and self._lm_head.packed is not None):
-            total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
-        return total
+        """Bytes of weights a decode step reads whole: everything held but the embedding, unless the
+        LM head multiplies by it (tied and not packed); other embedding rows are only looked up."""
+        embedding = self.embed_tokens.weight
+        head_reads_embedding = self.lm_head is None and (self._lm_head is None or self._lm_head.packed is None)
+        return self.memory_bytes() - (0 if head_reads_embedding else embedding.numel() * embedding.element_size())
 
     def _embedding_dense(self) -> torch.Tensor:  # [vocab, hidden]
         w = self.embed_tokens.weight

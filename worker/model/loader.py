@@ -222,12 +222,8 @@ def load_model(
     if quantization is not None:
         model.quantize(quantization)
     model.eval()
-    packed = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
-    param_count = sum(p.numel() for p in model.parameters()) + sum(w.numel for w in packed)  # a tied head once
-    head = model._lm_head  # noqa: SLF001 - a tied LM head's own packed copy is not a submodule
-    if head is not None and head.packed is not None:
-        packed.append(head.packed)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(w.nbytes for w in packed)
+    packed = [m.packed.numel for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    param_count = sum(p.numel() for p in model.parameters()) + sum(packed)  # a tied head's packed copy not again
     log.info(
         "model loaded",
         folder=str(folder),
@@ -243,7 +239,7 @@ def load_model(
         folder=folder,
         dtype=torch_dtype,
         device=device,
-        weight_bytes=weight_bytes,
+        weight_bytes=model.memory_bytes(),
         streamed_bytes=model.streamed_bytes(),
         quantization=quantization,
     )

@@ -12,7 +12,6 @@ be written is skipped (the conversion is used as it is)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import structlog
 
 from draftwise.worker.model.gguf import is_gguf_path, open_gguf
 from draftwise.worker.model.model_config import ModelLoadError
+from draftwise.worker.paths import draftwise_cache_dir
 
 log = structlog.get_logger("draftwise.tokenizer")
 
@@ -87,16 +87,6 @@ def _load_gguf_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(hf)
 
 
-def cache_root() -> Path:
-    """Where converted tokenizers are kept (see the module docstring)."""
-    if os.environ.get("DRAFTWISE_CACHE_DIR"):
-        return Path(os.environ["DRAFTWISE_CACHE_DIR"]).expanduser()
-    base = (
-        Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    )
-    return base / "draftwise"
-
-
 def gguf_tokenizer_cache(path: Path) -> Path | None:
     """The cache folder of ``path``'s converted tokenizer (None when the file cannot be read)."""
     import transformers
@@ -106,7 +96,7 @@ def gguf_tokenizer_cache(path: Path) -> Path | None:
     except OSError:
         return None
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}"
-    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return draftwise_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def _save(hf: Any, folder: Path) -> None:
