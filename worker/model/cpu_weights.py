@@ -13,9 +13,9 @@ section ``cpu-smollm2-135m-instruct``. Its tolerance against float32 is in docs/
 ("Lower-precision weights on CPU") and tested in tests/model/test_cpu_weights.py.
 
 No int8 or int4 mode: on this project's AVX2 machine torch's weight-only int8 and int4 CPU
-kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) run 2.7x and 5.6x slower than
+kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) run 2.5x and 5x slower than
 the float32 products, and fbgemm's dynamic int8 (activations quantized to 7 bits per call) agreed
-with float32's argmax on 44% of SmolLM2-135M's positions (docs/benchmarks.md, section ``cpu-smollm2-135m-instruct``).
+with float32's argmax on 42% of SmolLM2-135M's positions (docs/benchmarks.md, section ``cpu-smollm2-135m-instruct``).
 
 Only the products of the decoder layers and the LM head are packed; the embedding rows,
 norms, attention and KV cache stay float32.
