@@ -26,6 +26,10 @@ from draftwise.worker.model.loader import LoadedModel
 
 log = structlog.get_logger("draftwise.runner")
 
+RANK_EXIT_WAIT_S = 2.0
+"""How long a failed tensor-parallel step waits for a dead rank's exit to be recorded, to name it
+(its closed connection can fail the collective before its process is reaped)."""
+
 
 class Peers(Protocol):
     """The other ranks of a tensor-parallel worker, as rank 0 sees them
@@ -33,7 +37,7 @@ class Peers(Protocol):
 
     def announce(self, message: tuple[Any, ...]) -> None: ...  # tell every other rank what to run next
 
-    def failure(self) -> str | None: ...  # why a rank stopped, when one has
+    def failure(self, wait_s: float = 0.0) -> str | None: ...  # why a rank stopped, when one has
 
 
 class ModelRunner:
@@ -138,7 +142,8 @@ class ModelRunner:
             self.peers.announce(("run", batch, hidden))
             return self._forward_batch(batch, hidden)
         except Exception as e:
-            raise RuntimeError(f"tensor-parallel step failed: {self.peers.failure() or repr(e)}") from e
+            why = self.peers.failure(wait_s=RANK_EXIT_WAIT_S) or repr(e)
+            raise RuntimeError(f"tensor-parallel step failed: {why}") from e
 
     def _forward_batch(self, batch: FlatBatch, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.graph_runner is not None:

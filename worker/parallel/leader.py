@@ -74,6 +74,7 @@ class Ranks:
         self._stopping = False
         self._threads_before = torch.get_num_threads()
         self._failure: str | None = None
+        self._exited = threading.Event()  # set once a rank's exit is recorded
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         args = ["--size", str(size), "--port", str(store.port), "--parent-pid", str(os.getpid())]
         args += ["--threads", str(self.threads)]
@@ -106,8 +107,12 @@ class Ranks:
         self.check()
         self.group.send(message)
 
-    def failure(self) -> str | None:
-        """Why a rank stopped, once one has (None while all run)."""
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """Why a rank stopped, once one has (None while all run). A collective can fail on a
+        dead rank's closed connection before its process is reaped: a caller that saw one waits
+        up to ``wait_s`` for the watchdog to record the exit."""
+        if self._failure is None and wait_s > 0:
+            self._exited.wait(wait_s)
         return self._failure
 
     def check(self) -> None:
@@ -136,6 +141,7 @@ class Ranks:
         if self._stopping:
             return
         self._failure = f"tensor-parallel rank {rank} exited with code {code}"
+        self._exited.set()
         log.error("tensor-parallel rank exited: the worker stops", rank=rank, code=code)
 
     def close(self) -> None:
