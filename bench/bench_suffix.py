@@ -1,4 +1,5 @@
-"""The suffix proposer (``speculative_method="suffix"``) against plain decoding and n-gram lookup,
+"""The suffix proposer (``speculative_method="suffix"``) against plain decoding and n-gram lookup
+(and, with ``--methods``, a draft model or Medusa heads alone and with the suffix cache beside them),
 in-process, greedy, float32 on CPU; every ratio from measurements of the same run.
 
 Two workloads of token-id prompts cut from held-out text (files the embedded models never
@@ -17,6 +18,7 @@ run; the suffix cache is emptied before every run, so each run starts cold and f
 Reported: output tokens/s, the ratio against plain, mean accepted length, acceptance rate.
 
     python bench/bench_suffix.py [--model MODEL] [--concurrency 1,16] [--max-tokens 64] [--repeats 2] [--threads 2]
+        [--methods plain,ngram,suffix,draft,draft+suffix]   # medusa, medusa+suffix: the head shipped for --model
 
 Results: docs/benchmarks.md (section ``suffix``, or ``suffix-<model>``) and bench/results/suffix[_<model>].json.
 """
@@ -46,9 +48,18 @@ from benchlib import (  # noqa: E402
 
 from draftwise.logs import configure_logging  # noqa: E402
 from draftwise.worker import LLM, SamplingParams  # noqa: E402
-from draftwise.worker.speculative.suffix import SuffixCache  # noqa: E402
+from draftwise.worker.speculative.hybrid import HybridProposer  # noqa: E402
+from draftwise.worker.speculative.suffix import SuffixCache, SuffixProposer  # noqa: E402
 
-METHODS = {"plain": {}, "ngram": {"speculative_method": "ngram"}, "suffix": {"speculative_method": "suffix"}}
+ALL_METHODS = {
+    "plain": {},
+    "ngram": {"speculative_method": "ngram"},
+    "suffix": {"speculative_method": "suffix"},
+    "draft": {"speculative_model": "default"},  # the embedded draft: the default model only
+    "draft+suffix": {"speculative_model": "default", "speculative_lookup": "suffix"},
+    "medusa": {"speculative_method": "medusa"},  # the head shipped for the target
+    "medusa+suffix": {"speculative_method": "medusa", "speculative_lookup": "suffix"},
+}
 
 
 def workloads(llm: LLM, n: int, seed: int) -> dict[str, list[dict]]:
@@ -63,11 +74,24 @@ def workloads(llm: LLM, n: int, seed: int) -> dict[str, list[dict]]:
 
 def run(llm: LLM, prompts: list[dict], concurrency: int, max_tokens: int) -> tuple[float, list]:
     spec = llm.engine.spec
-    if spec is not None and hasattr(spec.proposer, "cache"):
-        spec.proposer.cache = SuffixCache(spec.proposer.cache.max_tokens)  # type: ignore[attr-defined]
+    for part in () if spec is None else spec.proposer.parts:
+        if isinstance(part, SuffixProposer):
+            part.cache = SuffixCache(part.cache.max_tokens)
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
     seconds, outs = closed_loop(llm, list(enumerate(prompts)), params, concurrency)
     return seconds, [o for _, o in outs]
+
+
+def lookup_rounds(llm: LLM) -> list[int] | None:
+    """A hybrid's verified rounds so far, drafted by (its model, its lookup); None for the others."""
+    spec = llm.engine.spec
+    proposer = None if spec is None else spec.proposer
+    return list(proposer.drafted) if isinstance(proposer, HybridProposer) else None
+
+
+def _share(before: list[int] | None, after: list[int]) -> float:
+    model, lookup = (a - b for a, b in zip(after, before or [0, 0], strict=True))
+    return lookup / max(1, model + lookup)
 
 
 def lookup_cost(requests: int = 128, context: int = 32_768, steps: int = 20) -> dict:
@@ -118,15 +142,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", default="plain,ngram,suffix", help=f"of {', '.join(ALL_METHODS)}; plain always runs")
     ap.add_argument("--no-publish", action="store_true")
     args = ap.parse_args()
+    methods = {m: ALL_METHODS[m] for m in ["plain", *args.methods.split(",")]}
     torch.set_num_threads(args.threads)
     configure_logging("console", "warning")
     levels = [int(c) for c in args.concurrency.split(",")]
     base = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": max(levels), "num_kv_blocks": 2048}
     if args.model and not is_default_model(args.model):
         base["model"] = args.model
-    llms = {m: LLM(**base, **spec) for m, spec in METHODS.items()}
+    llms = {m: LLM(**base, **spec) for m, spec in methods.items()}
     loads = workloads(llms["plain"], args.requests, 7)
     for llm in llms.values():  # warm up (first calls allocate and compile)
         run(llm, loads["novel"][:4], 2, 8)
@@ -134,12 +160,16 @@ def main() -> None:
     for name, prompts in loads.items():
         for c in levels:
             best: dict[str, tuple[float, list]] = {}
-            order = list(METHODS)
+            shares: dict[str, float | None] = {}  # a hybrid's rounds the lookup drafted, in its best run
+            order = list(methods)
             for r in range(args.repeats):
                 for m in order[r % len(order) :] + order[: r % len(order)]:
+                    before = lookup_rounds(llms[m])
                     s, outs = run(llms[m], prompts, c, args.max_tokens)
+                    after = lookup_rounds(llms[m])
                     if m not in best or s < best[m][0]:
                         best[m] = (s, outs)
+                        shares[m] = None if after is None else _share(before, after)
             ref_tokens = [o.outputs[0].token_ids for o in best["plain"][1]]
             plain_tps = sum(len(t) for t in ref_tokens) / best["plain"][0]
             for m, (s, outs) in best.items():
@@ -149,7 +179,7 @@ def main() -> None:
                 rows.append(
                     {"workload": name, "concurrency": c, "method": m, "tokens_per_s": tps, "ratio": tps / plain_tps}
                     | {k: st[k] for k in ("mean_accepted_length", "acceptance_rate")}
-                    | {"equal_to_plain": f"{same}/{len(outs)}"}
+                    | {"equal_to_plain": f"{same}/{len(outs)}", "lookup_share": shares.get(m)}
                 )
                 print(rows[-1], flush=True)
     cost = lookup_cost()
@@ -164,13 +194,19 @@ def main() -> None:
     print(body)
     if not args.no_publish:
         slug = model_slug(args.model)
-        save_results("suffix" + (f"_{slug}" if slug else ""), result)
-        write_section("suffix" + (f"-{slug}" if slug else ""), body)
+        section = "suffix" if set(methods) <= {"plain", "ngram", "suffix"} else "hybrid"  # its own section
+        save_results(section + (f"_{slug}" if slug else ""), result)
+        write_section(section + (f"-{slug}" if slug else ""), body)
 
 
 def render(r: dict, args: argparse.Namespace) -> str:
     lines = [
-        '## Suffix decoding (speculative_method="suffix")',
+        '## Suffix decoding (speculative_method="suffix")'
+        + (
+            ""
+            if all(x["method"] in ("plain", "ngram", "suffix") for x in r["rows"])
+            else ", and beside a model drafter"
+        ),
         "",
         f"Command: `{r['command']}` — {time.strftime('%Y-%m-%d')}, {r['machine']}",
         "",
@@ -179,13 +215,16 @@ def render(r: dict, args: argparse.Namespace) -> str:
         " `agent`: 8 held-out snippets asked about again and again behind distinct preambles (later answers repeat"
         " earlier ones); `novel`: distinct held-out prompts (nothing to find across requests). See bench/bench_suffix.py.",
         "",
-        "| workload | concurrency | method | output tok/s | vs plain | mean accepted length | acceptance | outputs equal to plain |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "| workload | concurrency | method | output tok/s | vs plain | mean accepted length | acceptance |"
+        " outputs equal to plain | hybrid: rounds the lookup drafted |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
     for x in r["rows"]:
+        share = x.get("lookup_share")
         lines.append(
             f"| {x['workload']} | {x['concurrency']} | {x['method']} | {x['tokens_per_s']:.1f} | {x['ratio']:.2f}x |"
             f" {x['mean_accepted_length']:.2f} | {x['acceptance_rate']:.2f} | {x['equal_to_plain']} |"
+            f" {'' if share is None else f'{share:.0%}'} |"
         )
     c = r["lookup_cost"]
     lines += [

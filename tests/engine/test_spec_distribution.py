@@ -6,7 +6,7 @@ checkpoints. For every one of the 4^4 continuations of 4 tokens the exact probab
 the target is computed with transformers (an independent implementation), shaped by the
 request's temperature / top-k. The engine then samples 6000 continuations with the draft
 proposer (k = 3), with n-gram lookup, with the suffix cache (unseeded), with random EAGLE and Medusa heads for the target
-(k = 3), and without speculation, and a chi-square goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
+(k = 3), with the draft proposer and a lookup beside it (hybrid: both parts drafting), and without speculation, and a chi-square goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
 (seeds 1000, 1001, ...: speculation verifies them by Gumbel coupling, so the sample is
 across seeds) or, in the "-unseeded" cases, not (random seeds; rejection sampling).
 
@@ -179,6 +179,17 @@ SPEC = {
     "suffix-k3-unseeded": dict(
         speculative_method="suffix", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
     ),
+    "draft+suffix-k3": dict(
+        speculative_method="draft", speculative_lookup="suffix", num_speculative_tokens=3, speculative_adaptive=False
+    ),
+    "draft+ngram-k3-unseeded": dict(
+        speculative_method="draft",
+        speculative_lookup="ngram",
+        num_speculative_tokens=3,
+        speculative_adaptive=False,
+        prompt_lookup_min=1,
+        seeded=False,
+    ),
     "ngram-k3-unseeded": dict(
         speculative_method="ngram",
         num_speculative_tokens=3,
@@ -204,6 +215,9 @@ def test_sequences_follow_the_target_distribution(pair, case, spec):
     if spec != "plain":
         t = engine.spec_totals
         assert 0 < t["accepted"] < t["proposed"], t  # accepts and rejects both exercised
+        if "+" in spec:  # a hybrid: both of its parts drafted
+            drafted = engine.spec.proposer.drafted  # type: ignore[union-attr]
+            assert min(drafted) > 0, drafted
         # the test has power: the draft's own distribution is far from what we sampled
         wrong = _exact(draft, params) if spec.startswith("draft") else None
         if wrong is not None:

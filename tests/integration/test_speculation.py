@@ -243,6 +243,7 @@ def _listed(method: str, model: str | None, head_folder: Path | None, k: int = 5
     by the gateway's ``_model_info``."""
     head = SimpleNamespace(folder=head_folder) if head_folder is not None else None
     proposer = SimpleNamespace(head=head) if head is not None else SimpleNamespace()  # a draft model's has none
+    proposer.parts = (proposer,)
     servicer = WorkerServicer.__new__(WorkerServicer)  # no engine thread: only its metadata is read
     servicer.engine = SimpleNamespace(
         max_model_len=2048,
@@ -282,6 +283,9 @@ def _listed(method: str, model: str | None, head_folder: Path | None, k: int = 5
         # the draft model, as before
         ("draft", "default", None, "draftwise-draft", gspb.SPECULATIVE_METHOD_DRAFT_MODEL),
         ("draft", "/data/my-draft", None, "my-draft", gspb.SPECULATIVE_METHOD_DRAFT_MODEL),
+        # a hybrid is reported by its model drafter
+        ("draft+suffix", "default", None, "draftwise-draft", gspb.SPECULATIVE_METHOD_DRAFT_MODEL),
+        ("medusa+ngram", None, Path("/pkg/heads/m"), "m", gspb.SPECULATIVE_METHOD_MEDUSA),
     ],
 )
 def test_list_models_reports_the_head(method, model, head_folder, name, enum):
@@ -292,7 +296,7 @@ def test_list_models_reports_the_head(method, model, head_folder, name, enum):
     from draftwise_client import ModelInfo
 
     client_info = ModelInfo.from_proto(info)
-    assert (client_info.speculative_method, client_info.draft_model) == (method, name)
+    assert (client_info.speculative_method, client_info.draft_model) == (method.split("+")[0], name)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ from draftwise.worker.paths import is_model_name
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
 QUANTIZATIONS = ("fp16",)  # draftwise.worker.model.cpu_weights (torch-free here)
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
+LOOKUP_METHODS = ("suffix", "ngram")
+"""What ``speculative_lookup`` takes: a lookup drafting beside a model drafter."""
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TENSOR_PARALLEL = 64
@@ -57,6 +59,9 @@ class EngineConfig:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched; None: 1
     prompt_lookup_max: int | None = None  # ngram: longest suffix tried first; None: 4
     suffix_cache_max_tokens: int | None = None  # suffix: tokens of earlier outputs kept, all tenants; None: 200000
+    speculative_lookup: str | None = (
+        None  # "suffix" | "ngram": a lookup beside a draft model or Medusa heads, the more promising drafts each step
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
@@ -101,8 +106,12 @@ class EngineConfig:
             )
         if method in ("ngram", "suffix") and self.speculative_model is not None:
             raise ValueError(f"speculative_method={method!r} needs no draft checkpoint: leave speculative_model unset")
-        if self.suffix_cache_max_tokens is not None and (method != "suffix" or self.suffix_cache_max_tokens < 1):
-            raise ValueError("suffix_cache_max_tokens must be >= 1 and applies to speculative_method='suffix' only")
+        self._check_lookup()
+        lookups = {method, self.speculative_lookup}
+        if self.suffix_cache_max_tokens is not None and ("suffix" not in lookups or self.suffix_cache_max_tokens < 1):
+            raise ValueError(
+                "suffix_cache_max_tokens must be >= 1 and applies to speculative_method or speculative_lookup 'suffix' only"
+            )
         if method == "draft" and self.speculative_model is None:
             raise ValueError("speculative_method='draft' needs speculative_model (a checkpoint folder, or 'default')")
         if self.speculative_model is not None and not str(self.speculative_model):
@@ -127,8 +136,22 @@ class EngineConfig:
                 raise ValueError(
                     f"{', '.join(given)} set without speculation: give speculative_model or speculative_method"
                 )
-        elif self.spec_method != "ngram" and (lo is not None or hi is not None):
-            raise ValueError("prompt_lookup_min/max apply to speculative_method='ngram' only")
+        elif "ngram" not in (self.spec_method, self.speculative_lookup) and (lo is not None or hi is not None):
+            raise ValueError("prompt_lookup_min/max apply to speculative_method or speculative_lookup 'ngram' only")
+
+    def _check_lookup(self) -> None:
+        lookup = self.speculative_lookup
+        if lookup is None:
+            return
+        if lookup not in LOOKUP_METHODS:
+            raise ValueError(f"speculative_lookup must be one of {', '.join(LOOKUP_METHODS)}, got {lookup!r}")
+        method = self.spec_method
+        if method not in ("draft", "medusa"):
+            why = "EAGLE cannot share rounds with a lookup yet" if method == "eagle" else f"got {method!r}"
+            raise ValueError(
+                f"speculative_lookup={lookup!r} drafts beside a draft model or Medusa heads "
+                f"(speculative_method 'draft' or 'medusa'): {why}"
+            )
 
     @property
     def spec_method(self) -> str | None:

@@ -131,8 +131,8 @@ class LLMEngine:
     @property
     def proposer(self) -> DraftModelProposer | None:
         """The draft-model proposer, when speculating with one (its runner, its KV pool)."""
-        p = None if self.spec is None else self.spec.proposer
-        return p if isinstance(p, DraftModelProposer) else None
+        parts = () if self.spec is None else self.spec.proposer.parts
+        return next((p for p in parts if isinstance(p, DraftModelProposer)), None)
 
     @property
     def spec_totals(self) -> dict[str, float]:

@@ -91,13 +91,14 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         eng = self.engine
         md: list[tuple[str, str]] = [(MAX_MODEL_LEN_KEY, str(eng.max_model_len))]
         cfg = eng.config
-        if eng.spec_method is not None:
-            md.append((SPEC_METHOD_KEY, eng.spec_method))
+        if eng.spec_method is not None and eng.spec is not None:
+            method = eng.spec_method.split("+")[0]  # a hybrid ("draft+suffix") is reported by its model drafter
+            md.append((SPEC_METHOD_KEY, method))
             md.append((SPEC_TOKENS_KEY, str(cfg.spec_k)))
-            if eng.spec_method not in ("ngram", "suffix"):  # a named drafter: a draft model, an EAGLE or Medusa head
-                head = getattr(getattr(eng.spec, "proposer", None), "head", None)  # the loaded head, if any
+            if method not in ("ngram", "suffix"):  # a named drafter: a draft model, an EAGLE or Medusa head
+                head = getattr(eng.spec.proposer.parts[0], "head", None)  # the loaded head, if any
                 folder = getattr(head, "folder", None)
-                md.append((DRAFT_MODEL_KEY, draft_model_name(cfg.speculative_model, eng.spec_method, folder)))
+                md.append((DRAFT_MODEL_KEY, draft_model_name(cfg.speculative_model, method, folder)))
         return tuple(md)
 
     def _on_step(self, out: StepOutput) -> None:  # engine thread

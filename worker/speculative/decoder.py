@@ -39,9 +39,10 @@ from draftwise.worker.sampling.sampler import SamplingRow, TokenLogprobs, proces
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.speculative.heads import LoadedHead
 from draftwise.worker.speculative.hidden import EagleProposer, MedusaProposer
-from draftwise.worker.speculative.ngram import NgramProposer
+from draftwise.worker.speculative.hybrid import HybridProposer
+from draftwise.worker.speculative.ngram import LookupProposer, NgramProposer
 from draftwise.worker.speculative.policy import CostModel, PolicyConfig, RequestSpecState, SpeculationPolicy
-from draftwise.worker.speculative.proposer import Observed, Proposer
+from draftwise.worker.speculative.proposer import Observed, Proposer, stack_draft_probs
 from draftwise.worker.speculative.rejection_sampler import rejection_sample
 from draftwise.worker.speculative.suffix import DEFAULT_MAX_TOKENS, SuffixProposer
 
@@ -99,7 +100,8 @@ class SpecDecoder:
         k = config.spec_k
         # n-gram lookup costs next to nothing, and its matches come and go with the text (a copy
         # resumes after an edit): a request it switched off is probed again sooner
-        probe_after = 8 if self.method in ("ngram", "suffix") else PolicyConfig.probe_after
+        lookup = any(m in ("ngram", "suffix") for m in self.method.split("+"))
+        probe_after = 8 if lookup else PolicyConfig.probe_after
         self.policy = SpeculationPolicy(
             PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after), CostModel()
         )
@@ -128,12 +130,17 @@ class SpecDecoder:
             else:
                 proposer = MedusaProposer(draft, target.model, vocab)
         elif config.spec_method == "suffix":
-            proposer = SuffixProposer(config.suffix_cache_max_tokens or DEFAULT_MAX_TOKENS)
+            proposer = _lookup(config, "suffix")
         elif draft is not None:
             proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab, config.enable_prefix_caching)
         else:
-            proposer = NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 4)
-        return cls(config, proposer, max_model_len)
+            proposer = _lookup(config, "ngram")
+        if config.speculative_lookup is not None:
+            proposer = HybridProposer(proposer, _lookup(config, config.speculative_lookup))
+        decoder = cls(config, proposer, max_model_len)
+        if isinstance(proposer, HybridProposer):
+            proposer.costs = decoder.policy.costs  # the parts are weighed with the step times the policy measures
+        return decoder
 
     # ------------------------------------------------------------------ requests
 
@@ -222,6 +229,7 @@ class SpecDecoder:
         n = len(running)
         if not self.policy.may_pay(n, self.adaptive) or (self.adaptive and self.policy.measure_plain(n)):
             return plan
+        self.proposer.start_step(n)
         decoding = []
         for req in running:
             sr = self.requests.get(req.request_id)
@@ -230,30 +238,33 @@ class SpecDecoder:
                 if sr.policy.limit > 0:
                     decoding.append(req)
         done, plan.failed = contain_each(decoding, lambda r: self._plan_one(r, self.requests[r.request_id], n), _self)
-        for req, k in done:
-            if k < 0:
+        for req, (k, behind) in done:
+            if behind:
                 plan.behind.append(req)
-            elif k > 0:
+            if k > 0:
                 plan.draft_k[req.request_id] = k
         return plan
 
-    def _plan_one(self, req: Request, sr: SpecRequest, batch_size: int) -> int:
+    def _plan_one(self, req: Request, sr: SpecRequest, batch_size: int) -> tuple[int, bool]:
         """Draft positions ``req`` wants: the policy's k within what is left of its max_tokens
-        and the context, and what the proposer can offer; -1: the proposer must catch up first."""
+        and the context, and what the proposer can offer; and whether the proposer must catch up
+        on it first (then only drafts that need no catching up, a hybrid's lookup, are offered)."""
         st = sr.policy
         if not self.proposer.can_draft(req):
             st.cap = st.limit = 0  # tokens the proposer cannot read: not speculated any more
             self.proposer.release(req)
-            return 0
+            return 0, False
         room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
         k, sr.deferred_k = sr.deferred_k, None  # decided while catching up: the policy is not asked twice
         if k is None:
             k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
         k = min(k, room)
         if k > 0 and self.proposer.backlog(req) > self.proposer.inline_backlog:
-            sr.deferred_k = k  # no drafts until the proposer has caught up
-            return -1
-        return self.proposer.plan(req, k) if k > 0 else 0
+            m = self.proposer.plan_behind(req, k)
+            if m == 0:
+                sr.deferred_k = k  # no drafts until the proposer has caught up
+            return m, True
+        return (self.proposer.plan(req, k) if k > 0 else 0), False
 
     # ------------------------------------------------------------------ catch up
 
@@ -357,7 +368,7 @@ class SpecDecoder:
         res = rejection_sample(
             p,
             drafts,
-            _stack_q([sr.q for sr in recs], drafts, p),
+            _as(stack_draft_probs([sr.q for sr in recs], drafts), p),
             [r.sampling_params.is_greedy for r in reqs],
             [r.seed for r in reqs],
             [r.num_tokens for r in reqs],  # the position of each request's first draft
@@ -393,28 +404,18 @@ class SpecDecoder:
         self.proposer.check_idle()
 
 
+def _lookup(config: EngineConfig, method: str) -> LookupProposer:
+    if method == "suffix":
+        return SuffixProposer(config.suffix_cache_max_tokens or DEFAULT_MAX_TOKENS)
+    return NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 4)
+
+
 def _self(r: Request) -> Request:
     return r
 
 
-def _stack_q(
-    qs: list[torch.Tensor | None],
-    drafts: list[list[int]],
-    p: torch.Tensor,  # [sum(k + 1), vocab]: the target's distributions (for shape, dtype, device)
-) -> torch.Tensor | None:  # [sum k, vocab]
-    """One q tensor for the verifier from per-request draft distributions: None when no
-    request has one (the verifier then takes q one-hot at each draft), else the rows stacked,
-    one-hot at the drafted token where a request has none (n-gram drafts; greedy rows, whose
-    q the verifier does not read)."""
-    if all(q is None for q in qs):
-        return None
-    parts = []
-    for q, d in zip(qs, drafts, strict=True):
-        if q is None:
-            q = torch.zeros(len(d), p.shape[1], dtype=p.dtype, device=p.device)
-            q[torch.arange(len(d), device=p.device), torch.tensor(d, device=p.device, dtype=torch.long)] = 1.0
-        parts.append(q.to(p.dtype))
-    return torch.cat(parts)
+def _as(q: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+    return None if q is None else q.to(p.dtype)
 
 
 __all__ = ["SpecDecoder"]

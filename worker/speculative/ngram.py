@@ -62,10 +62,12 @@ class LookupProposer(Proposer):
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
         drafts = []
         for r, k in zip(reqs, ks, strict=True):
-            found = self._found.pop(r.request_id, [])
+            found = self._found.get(r.request_id, [])
             if len(found) < k:
                 raise RuntimeError(f"{self.name} proposer: {r.request_id} was planned {k} drafts, {len(found)} found")
             drafts.append(found[:k])
+        for r in reqs:  # handed over only once all were found: a batch that fails is retried request by request
+            del self._found[r.request_id]
         seconds, lookups = self._seconds, self._lookups
         self._seconds, self._lookups = 0.0, 0
         # a lookup finds all of a request's drafts at once: one more drafted token costs the
@@ -78,8 +80,16 @@ class LookupProposer(Proposer):
             step_batch=max(lookups, len(reqs)),
         )
 
+    def discard(self, req: Request) -> None:
+        """Forget the drafts :meth:`plan` found for ``req`` (another proposer drafts instead)."""
+        self._found.pop(req.request_id, None)
+
     def release(self, req: Request) -> None:
         self._found.pop(req.request_id, None)
+
+    def reset(self, req: Request) -> None:
+        """A failed batch call changed nothing: the drafts found for ``req`` stay, so that it
+        is proposed for again alone (another part of the batch may be what failed)."""
 
     def check_idle(self) -> None:
         if self._found:

@@ -39,12 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from draftwise.worker.core.request import Request
 
-__all__ = ["Observed", "Proposal", "Proposer"]
+__all__ = ["Observed", "Proposal", "Proposer", "stack_draft_probs"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,19 @@ class Proposer(ABC):
         speculated any more (the SpecDecoder switches it off and releases it)."""
         return True
 
+    @property
+    def parts(self) -> tuple[Proposer, ...]:
+        """The proposers this one drafts with: itself, or a hybrid's parts."""
+        return (self,)
+
+    def start_step(self, batch_size: int) -> None:  # noqa: B027 - proposers that weigh no costs
+        """Planning of a step with ``batch_size`` running requests begins."""
+
+    def plan_behind(self, req: Request, k: int) -> int:  # noqa: ARG002 - proposers that draft only caught up
+        """At scheduling, for a request this proposer must catch up on first: drafts it can
+        offer all the same (0..k; a hybrid's lookup needs no catching up). Default 0."""
+        return 0
+
     def plan(self, req: Request, k: int) -> int:  # noqa: ARG002 - proposers that can always draft k
         """At scheduling: how many tokens (0..k, ``k >= 1``) this proposer will draft for ``req``
         this step; the scheduler reserves that many positions. A proposer that needs the
@@ -132,3 +145,20 @@ class Proposer(ABC):
 
     def check_idle(self) -> None:  # noqa: B027
         """Raise AssertionError when state is left with no request unfinished."""
+
+
+def stack_draft_probs(qs: Sequence[torch.Tensor | None], drafts: Sequence[Sequence[int]]) -> torch.Tensor | None:
+    """One ``[sum k, vocab]`` tensor of draft distributions from per-request ones: None when no
+    request has one (the verifier then takes q one-hot at each draft), else the rows stacked,
+    one-hot at the drafted token where a request has none (lookup drafts; greedy rows, whose q
+    the verifier does not read)."""
+    like = next((q for q in qs if q is not None), None)
+    if like is None:
+        return None
+    parts = []
+    for q, d in zip(qs, drafts, strict=True):
+        if q is None:
+            q = like.new_zeros(len(d), like.shape[1])
+            q[torch.arange(len(d), device=like.device), torch.tensor(list(d), dtype=torch.long, device=like.device)] = 1
+        parts.append(q.to(like.dtype))
+    return torch.cat(parts)

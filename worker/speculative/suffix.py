@@ -178,11 +178,6 @@ class SuffixProposer(LookupProposer):
         if req.is_finished and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and req.output_token_ids:
             self.cache.add(req.cache_salt, req.prompt_token_ids[-PROMPT_TAIL:] + req.output_token_ids)
 
-    def reset(self, req: Request) -> None:
-        """A failed batch call changed nothing that matters (lookups are read-only but for
-        the request's own index, which stays right)."""
-        self._found.pop(req.request_id, None)
-
     def check(self, reqs: Sequence[Request]) -> None:
         stray = set(self._own) - {r.request_id for r in reqs}
         if stray:

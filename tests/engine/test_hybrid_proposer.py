@@ -1,0 +1,180 @@
+"""The hybrid proposer (worker/speculative/hybrid.py): a draft model or Medusa heads with a lookup
+(suffix cache or n-gram) beside it, the more promising of the two drafting per request and step.
+
+- greedy output equals plain greedy, batched under chunked prefill and forced preemption, with
+  both parts drafting (draft+suffix on an agent-like workload, medusa+ngram), with k fixed and
+  with the adaptive policy; both block pools empty once idle;
+- the lookup drafts for a request while the draft model catches up on it (where the model
+  alone would leave it decoding plainly);
+- seeded sampling equals plain seeded sampling (the chi-square check for sampled output is in
+  test_spec_distribution.py);
+- the choice: a lookup that finds nothing leaves the model drafting; between two offers the
+  expected tokens per second decide, from each part's acceptance on that request and the
+  model's measured cost;
+- a proposal that fails fails its request alone, and the engine's blocks come back;
+- the configurations it refuses, in one line each.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from draftwise.worker.core.config import EngineConfig
+from draftwise.worker.core.request import Request
+from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.speculative.hybrid import LOOKUP, MODEL, HybridProposer
+from tests.engine.test_spec_exactness import _config, run_together
+from tests.engine.test_suffix_proposer import _agent_workload
+
+DRAFT_SUFFIX = {"speculative_model": "default", "speculative_lookup": "suffix"}
+MEDUSA_NGRAM = {"speculative_method": "medusa", "speculative_lookup": "ngram"}
+
+
+@pytest.fixture(scope="module")
+def agent():
+    reqs = _agent_workload(5)
+    engine = LLMEngine(_config(num_kv_blocks=128, enable_prefix_caching=False))
+    ref = {}
+    for rid, prompt, params, _ in reqs:
+        engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step().finished:
+                ref[o.request_id] = o.outputs[0].token_ids
+    return reqs, ref
+
+
+def _hybrid(engine: LLMEngine) -> HybridProposer:
+    assert engine.spec is not None
+    proposer = engine.spec.proposer
+    assert isinstance(proposer, HybridProposer)
+    return proposer
+
+
+@pytest.mark.parametrize(
+    ("spec", "adaptive"), [(DRAFT_SUFFIX, False), (DRAFT_SUFFIX, True), (MEDUSA_NGRAM, False)], ids=str
+)
+def test_greedy_is_exact_batched_with_chunked_prefill_and_preemption(agent, spec, adaptive):
+    reqs, ref = agent
+    engine = LLMEngine(
+        _config(
+            block_size=16,
+            max_num_batched_tokens=48,
+            max_num_seqs=12,
+            num_kv_blocks=32,  # forces preemption
+            num_speculative_tokens=4,
+            speculative_adaptive=adaptive,
+            **spec,
+        )
+    )
+    hybrid = _hybrid(engine)
+    behind_and_drafting = []
+    plan = engine.spec.plan  # type: ignore[union-attr]
+
+    def watched(running):
+        p = plan(running)
+        behind_and_drafting.extend(r.request_id for r in p.behind if r.request_id in p.draft_k)
+        return p
+
+    engine.spec.plan = watched  # type: ignore[union-attr,method-assign]
+    out = run_together(reqs, engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert [rid for rid in ref if out[rid] != ref[rid]] == []
+    totals = engine.spec_totals
+    assert 0 < totals["accepted"] < totals["proposed"], totals
+    assert hybrid.drafted[MODEL] > 0 and hybrid.drafted[LOOKUP] > 0, hybrid.drafted  # both parts drafted
+    if spec is DRAFT_SUFFIX:
+        assert engine.spec_method == "draft+suffix"
+        assert behind_and_drafting, "the lookup never drafted while the draft model caught up"
+        assert engine.proposer is hybrid.model  # the engine finds its draft model (runner, pool) inside
+    engine.check_idle_invariants()
+
+
+def _seeded(spec: dict) -> dict[str, list[int]]:
+    engine = LLMEngine(_config(num_kv_blocks=128, max_num_seqs=4, **spec))
+    out = {}
+    for i, (rid, prompt, _, _) in enumerate(_agent_workload(4)[:12]):
+        params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=70 + i)
+        engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step().finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    engine.check_idle_invariants()
+    return out
+
+
+def test_seeded_sampling_equals_plain_seeded():
+    assert _seeded(DRAFT_SUFFIX) == _seeded({})
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, None, list(tokens), SamplingParams(temperature=0), max_tokens=32)
+
+
+def test_the_choice_weighs_acceptance_and_cost():
+    engine = LLMEngine(_config(num_kv_blocks=64, **DRAFT_SUFFIX))
+    hybrid = _hybrid(engine)
+    hybrid.start_step(1)
+    novel = _request("novel", list(range(10, 30)))
+    assert hybrid.plan(novel, 4) == 4 and hybrid.choices["novel"].chosen == MODEL  # the lookup found nothing
+    repeat = _request("repeat", [5, 6, 7, 8, 9, 11, 12, 13, 5, 6, 7, 8, 9])  # its end occurred before: 4 deep
+    # equal history and as many drafts: the lookup costs no drafting
+    assert hybrid.plan(repeat, 4) == 4 and hybrid.choices["repeat"].chosen == LOOKUP
+    # a lookup that kept failing on this request loses to a model that kept succeeding
+    c = hybrid.choices["repeat"]
+    c.rounds = (deque([(4, 4)] * 8), deque([(3, 0)] * 8))
+    assert hybrid.plan(repeat, 4) == 4 and c.chosen == MODEL
+    assert "repeat" not in hybrid.lookup._found  # the lookup's unused drafts are dropped
+    # and the other way round
+    c.rounds = (deque([(4, 0)] * 8), deque([(3, 3)] * 8))
+    assert hybrid.plan(repeat, 4) == 4 and c.chosen == LOOKUP
+    for r in (novel, repeat):
+        hybrid.release(r)
+    hybrid.check_idle()
+
+
+def test_a_failed_proposal_fails_its_request_alone_and_frees_its_blocks(agent, monkeypatch):
+    reqs, ref = agent
+    engine = LLMEngine(
+        _config(num_kv_blocks=128, max_num_seqs=8, num_speculative_tokens=4, speculative_adaptive=False, **DRAFT_SUFFIX)
+    )
+    hybrid = _hybrid(engine)
+    doomed = reqs[10][0]  # asked after earlier rounds: the suffix cache has drafts for it
+    for part in hybrid.parts:
+        inner = part.propose
+
+        def propose(rs, ks, inner=inner):
+            if any(r.request_id == doomed for r in rs):
+                raise RuntimeError("planted proposal failure")
+            return inner(rs, ks)
+
+        monkeypatch.setattr(part, "propose", propose)
+    finals: dict = {}
+    out = run_together(reqs, engine, finals)
+    assert finals[doomed].outputs[0].finish_reason == "error"
+    assert [rid for rid in ref if rid != doomed and out[rid] != ref[rid]] == []
+    engine.check_idle_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"speculative_lookup": "suffix"}, "drafts beside a draft model or Medusa heads"),
+        ({"speculative_method": "eagle", "speculative_lookup": "suffix"}, "EAGLE cannot share rounds"),
+        ({"speculative_method": "ngram", "speculative_lookup": "suffix"}, "got 'ngram'"),
+        ({"speculative_model": "default", "speculative_lookup": "draft"}, "speculative_lookup must be one of"),
+        ({"speculative_model": "default", "suffix_cache_max_tokens": 10}, "suffix_cache_max_tokens"),
+        ({"speculative_model": "default", "speculative_lookup": "suffix", "prompt_lookup_min": 2}, "prompt_lookup"),
+    ],
+)
+def test_refusals(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
+
+
+def test_lookup_settings_apply_to_the_hybrids_lookup():
+    EngineConfig(speculative_model="default", speculative_lookup="suffix", suffix_cache_max_tokens=10)
+    EngineConfig(speculative_model="default", speculative_lookup="ngram", prompt_lookup_min=2, prompt_lookup_max=3)

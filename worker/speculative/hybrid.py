@@ -1,0 +1,232 @@
+"""A model drafter and a lookup side by side: per request and step, the one that promises more
+(docs/engine.md, "Speculative decoding", hybrid).
+
+A draft model (or Medusa heads) drafts well on text it can predict; a lookup (the suffix cache
+over earlier outputs, or n-gram prompt lookup) drafts nothing most of the time, and long runs
+that are almost always accepted when the answer repeats something seen before (code edits,
+tool-call JSON, templated answers), at no model cost. :class:`HybridProposer` runs both
+through the one :class:`~draftwise.worker.speculative.proposer.Proposer` interface:
+
+- **Planning**: the lookup looks up every decoding request (it costs next to nothing and is
+  spent anyway); when it finds ``m`` drafts, the request's two options are compared by expected
+  tokens per second: ``expected_tokens(a, m) / (verify(n + m) + m * c)``, with ``a`` the
+  option's per-token acceptance on this request (its own window of recent rounds, smoothed
+  towards a prior), ``verify`` the target's measured step time at the batch's size plus the
+  drafts (the speculation policy's :class:`~draftwise.worker.speculative.policy.CostModel`),
+  and ``c`` the drafter's measured cost per drafted token (0 for the lookup). The model's
+  ``m`` is the k the policy chose.
+- **Catching up**: after a round of lookup drafts the draft model lags the request by the
+  accepted tokens; while it catches up (through the step's token budget) the lookup may still
+  draft for the request (:meth:`HybridProposer.plan_behind`), where the model alone would leave
+  it decoding plainly.
+- **Settling**: the part that drafted keeps its accepted prefix; a hidden-state part (Medusa)
+  settles after every verify pass, whoever drafted, since it observed the pass's features.
+  A draft model that did not draft this step read nothing past the request's real tokens: it
+  has nothing to roll back.
+
+Exactness holds whatever is chosen: the choice depends only on the request's past, and the
+verifier takes each request's draft distribution (q one-hot for lookup drafts), so rejection
+sampling and the seeded coupling apply unchanged. EAGLE is not a part yet: its layer's KV
+follows only the rounds it drafted itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from draftwise.worker.speculative.ngram import LookupProposer
+from draftwise.worker.speculative.policy import CostModel, expected_tokens
+from draftwise.worker.speculative.proposer import Observed, Proposal, Proposer, stack_draft_probs
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from draftwise.worker.core.request import Request
+
+__all__ = ["HybridProposer"]
+
+MODEL, LOOKUP = 0, 1
+"""The two parts, as the per-request records index them."""
+WINDOW = 16  # rounds of each part behind a request's acceptance estimate
+PRIOR = 0.7  # acceptance assumed before a part has drafted for a request
+PRIOR_WEIGHT = 2.0  # pseudo-observations of PRIOR in the estimate
+UNMEASURED_DRAFT_COST = 0.1  # a model-drafted token's cost in target steps, until one is measured
+
+
+@dataclass
+class _Choice:
+    """One request's record: each part's recent rounds, how often each drafted, and this
+    step's choice."""
+
+    rounds: tuple[deque[tuple[int, int]], deque[tuple[int, int]]] = field(
+        default_factory=lambda: (deque(maxlen=WINDOW), deque(maxlen=WINDOW))
+    )
+    chosen: int | None = None  # the part drafting this step (None: neither)
+    model_off: bool = False  # the model cannot read this request's tokens: lookup only
+
+
+class HybridProposer(Proposer):
+    """A model drafter (draft model or Medusa) and a lookup (suffix or n-gram): per request and
+    step the more promising one drafts (see the module docstring)."""
+
+    def __init__(self, model: Proposer, lookup: LookupProposer, costs: CostModel | None = None) -> None:
+        if isinstance(model, LookupProposer) or model.name == "eagle":
+            raise ValueError(f"a hybrid pairs a draft model or Medusa heads with a lookup, not {model.name!r}")
+        self.model = model
+        self.lookup = lookup
+        self.costs = costs or CostModel()
+        self.name = f"{model.name}+{lookup.name}"
+        self.inline_backlog = model.inline_backlog
+        self.wants_hidden = model.wants_hidden
+        self.choices: dict[str, _Choice] = {}
+        self.drafted = [0, 0]  # verified rounds each part drafted (model, lookup), for reports and tests
+        self._batch_size = 1
+        self._model_cost: float | None = None  # seconds of one more model-drafted token (fastest recent)
+        self._model_costs: deque[float] = deque(maxlen=9)
+
+    @property
+    def parts(self) -> tuple[Proposer, ...]:
+        return (self.model, self.lookup)
+
+    def _choice(self, req: Request) -> _Choice:
+        c = self.choices.get(req.request_id)
+        if c is None:
+            c = self.choices[req.request_id] = _Choice()
+        return c
+
+    # ------------------------------------------------------------------ reading
+
+    def observe(self, items: Sequence[Observed]) -> None:
+        if self.model.wants_hidden:
+            self.model.observe(items)
+
+    def can_draft(self, req: Request) -> bool:
+        """The lookup reads any token; a request the model cannot read is drafted by the
+        lookup alone from now on."""
+        c = self._choice(req)
+        if not c.model_off and not self.model.can_draft(req):
+            c.model_off = True
+            self.model.release(req)
+        return True
+
+    def backlog(self, req: Request) -> int:
+        return 0 if self._choice(req).model_off else self.model.backlog(req)
+
+    def catch_up(self, reqs: Sequence[Request], ns: Sequence[int]) -> None:
+        self.model.catch_up(reqs, ns)
+
+    # ------------------------------------------------------------------ planning
+
+    def start_step(self, batch_size: int) -> None:
+        self._batch_size = max(1, batch_size)
+
+    def estimate(self, req: Request, part: int) -> float:
+        """The part's per-token acceptance on ``req`` (accepted / (accepted + rejections)
+        over its window, smoothed towards PRIOR)."""
+        rounds = self._choice(req).rounds[part]
+        accepted = sum(a for _, a in rounds)
+        rejected = sum(1 for k, a in rounds if a < k)
+        return (accepted + PRIOR * PRIOR_WEIGHT) / (accepted + rejected + PRIOR_WEIGHT)
+
+    def rate(self, req: Request, part: int, m: int) -> float:
+        """Expected tokens per second of a step in which ``part`` drafts ``m`` tokens for
+        ``req`` (in plain-step units while no step time is measured yet)."""
+        n = self._batch_size
+        verify = self.costs.target_time(n + m)
+        cost = 0.0
+        if part == MODEL:
+            unit = self._model_cost if self._model_cost is not None else None
+            if verify is None or unit is None:
+                verify, unit = 1.0, UNMEASURED_DRAFT_COST
+            cost = m * unit
+        elif verify is None:
+            verify = 1.0
+        return expected_tokens(self.estimate(req, part), m) / (verify + cost)
+
+    def plan(self, req: Request, k: int) -> int:
+        c = self._choice(req)
+        m_lookup = self.lookup.plan(req, k)
+        m_model = 0 if c.model_off else self.model.plan(req, k)
+        if m_lookup and (not m_model or self.rate(req, LOOKUP, m_lookup) >= self.rate(req, MODEL, m_model)):
+            c.chosen = LOOKUP
+            return m_lookup
+        if m_lookup:
+            self.lookup.discard(req)
+        c.chosen = MODEL if m_model else None
+        return m_model
+
+    def plan_behind(self, req: Request, k: int) -> int:
+        """While the model catches up on ``req``: the lookup's drafts, if it finds any."""
+        c = self._choice(req)
+        m = self.lookup.plan(req, k)
+        c.chosen = LOOKUP if m else None
+        return m
+
+    # ------------------------------------------------------------------ proposing
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
+        t0 = time.perf_counter()
+        groups: tuple[list[int], list[int]] = ([], [])
+        for i, r in enumerate(reqs):
+            chosen = self._choice(r).chosen
+            if chosen is None:
+                raise RuntimeError(f"hybrid proposer: {r.request_id} was granted drafts but planned none")
+            groups[chosen].append(i)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        q_parts: list[Tensor | None] = [None] * len(reqs)
+        step_seconds, step_batch = None, 0
+        for part, idx in enumerate(groups):
+            if not idx:
+                continue
+            proposer = self.parts[part]
+            prop = proposer.propose([reqs[i] for i in idx], [ks[i] for i in idx])
+            qs = [None] * len(idx) if prop.probs is None else list(prop.probs.split([ks[i] for i in idx]))
+            for i, d, q in zip(idx, prop.token_ids, qs, strict=True):
+                drafts[i], q_parts[i] = d, q
+            if part == MODEL and prop.step_seconds is not None:
+                step_seconds, step_batch = prop.step_seconds, prop.step_batch
+                self._model_costs.append(prop.step_seconds)
+                self._model_cost = min(self._model_costs)
+        probs = stack_draft_probs(q_parts, drafts)
+        # the policy's cost model hears only of model drafting: a lookup's near-zero cost kept
+        # as its fastest recent time would make model drafts look free
+        return Proposal(drafts, probs, time.perf_counter() - t0, step_seconds, max(step_batch, 1))
+
+    # ------------------------------------------------------------------ after verification
+
+    def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
+        c = self._choice(req)
+        chosen, c.chosen = c.chosen, None
+        if chosen is not None:
+            c.rounds[chosen].append((k, accepted))
+            self.drafted[chosen] += 1
+        if chosen == MODEL or (self.model.wants_hidden and not c.model_off):
+            self.model.settle(req, num_tokens_before, k, accepted)
+        if chosen == LOOKUP:
+            self.lookup.settle(req, num_tokens_before, k, accepted)
+
+    def reset(self, req: Request) -> None:
+        chosen = self._choice(req).chosen
+        if chosen is not None:
+            self.parts[chosen].reset(req)
+
+    def release(self, req: Request) -> None:
+        self.model.release(req)
+        self.lookup.release(req)
+        self.choices.pop(req.request_id, None)
+
+    def check(self, reqs: Sequence[Request]) -> None:
+        stray = set(self.choices) - {r.request_id for r in reqs}
+        if stray:
+            raise AssertionError(f"hybrid records kept for requests that are gone: {sorted(stray)}")
+        self.model.check(reqs)
+        self.lookup.check(reqs)
+
+    def check_idle(self) -> None:
+        self.check([])
+        self.model.check_idle()
+        self.lookup.check_idle()
