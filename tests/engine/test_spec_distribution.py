@@ -187,7 +187,7 @@ SPEC = {
         speculative_lookup="ngram",
         num_speculative_tokens=3,
         speculative_adaptive=False,
-        prompt_lookup_min=1,
+        prompt_lookup_min=2,  # a bigram must repeat: the lookup finds drafts for some requests and steps only
         seeded=False,
     ),
     "ngram-k3-unseeded": dict(

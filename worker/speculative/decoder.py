@@ -248,7 +248,7 @@ class SpecDecoder:
     def _plan_one(self, req: Request, sr: SpecRequest, batch_size: int) -> tuple[int, bool]:
         """Draft positions ``req`` wants: the policy's k within what is left of its max_tokens
         and the context, and what the proposer can offer; and whether the proposer must catch up
-        on it first (then only drafts that need no catching up, a hybrid's lookup, are offered)."""
+        on it first this step (a hybrid's lookup may draft instead, and the catch-up waits)."""
         st = sr.policy
         if not self.proposer.can_draft(req):
             st.cap = st.limit = 0  # tokens the proposer cannot read: not speculated any more
@@ -258,13 +258,13 @@ class SpecDecoder:
         k, sr.deferred_k = sr.deferred_k, None  # decided while catching up: the policy is not asked twice
         if k is None:
             k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
-        k = min(k, room)
-        if k > 0 and self.proposer.backlog(req) > self.proposer.inline_backlog:
-            m = self.proposer.plan_behind(req, k)
-            if m == 0:
-                sr.deferred_k = k  # no drafts until the proposer has caught up
-            return m, True
-        return (self.proposer.plan(req, k) if k > 0 else 0), False
+        k = max(0, min(k, room))
+        behind = k > 0 and self.proposer.backlog(req) > self.proposer.inline_backlog
+        m = self.proposer.offer(req, k, max(k, min(st.limit, room)), behind)
+        if behind and m == 0:
+            sr.deferred_k = k  # no drafts until the proposer has caught up, which it does now
+            return 0, True
+        return m, False  # drafts that need no catching up (a hybrid's lookup) leave the catch-up for later
 
     # ------------------------------------------------------------------ catch up
 

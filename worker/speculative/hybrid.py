@@ -16,9 +16,14 @@ through the one :class:`~draftwise.worker.speculative.proposer.Proposer` interfa
   and ``c`` the drafter's measured cost per drafted token (0 for the lookup). The model's
   ``m`` is the k the policy chose.
 - **Catching up**: after a round of lookup drafts the draft model lags the request by the
-  accepted tokens; while it catches up (through the step's token budget) the lookup may still
-  draft for the request (:meth:`HybridProposer.plan_behind`), where the model alone would leave
-  it decoding plainly.
+  accepted tokens. While the lookup keeps finding drafts it keeps drafting, and the draft model
+  catches up only in a step where the lookup finds nothing (through the step's token budget,
+  the request decoding plainly meanwhile, as with a draft model alone): one pass over the whole
+  lag instead of one per round.
+- **k**: the policy's k (priced at the model's draft cost) is what the model drafts; the
+  lookup, which costs nothing to draft, looks up to the request's ceiling (its limit, its
+  max_tokens and the context), and drafts even where the policy chose k = 0, when its expected
+  rate beats plain decoding.
 - **Settling**: the part that drafted keeps its accepted prefix; a hidden-state part (Medusa)
   settles after every verify pass, whoever drafted, since it observed the pass's features.
   A draft model that did not draft this step read nothing past the request's real tokens: it
@@ -148,23 +153,36 @@ class HybridProposer(Proposer):
         return expected_tokens(self.estimate(req, part), m) / (verify + cost)
 
     def plan(self, req: Request, k: int) -> int:
+        return self.offer(req, k, k, behind=False)
+
+    def offer(self, req: Request, k: int, ceiling: int, behind: bool) -> int:
+        """The lookup looks up to ``ceiling`` (it costs nothing to draft, so the policy's k,
+        priced at the model's cost, does not cap it); the model offers ``k`` unless it is
+        behind; the better rate wins, and a lookup alone must beat plain decoding."""
         c = self._choice(req)
-        m_lookup = self.lookup.plan(req, k)
-        m_model = 0 if c.model_off else self.model.plan(req, k)
-        if m_lookup and (not m_model or self.rate(req, LOOKUP, m_lookup) >= self.rate(req, MODEL, m_model)):
-            c.chosen = LOOKUP
-            return m_lookup
+        m_lookup = self.lookup.plan(req, ceiling) if ceiling > 0 else 0
+        m_model = 0 if c.model_off or behind or k == 0 else self.model.plan(req, k)
+        c.chosen = None
         if m_lookup:
+            rate = self.rate(req, LOOKUP, m_lookup)
+            if (m_model and rate >= self.rate(req, MODEL, m_model)) or (
+                not m_model and self._beats_plain(req, m_lookup)
+            ):
+                c.chosen = LOOKUP
+                return m_lookup
             self.lookup.discard(req)
-        c.chosen = MODEL if m_model else None
+        if m_model:
+            c.chosen = MODEL
         return m_model
 
-    def plan_behind(self, req: Request, k: int) -> int:
-        """While the model catches up on ``req``: the lookup's drafts, if it finds any."""
-        c = self._choice(req)
-        m = self.lookup.plan(req, k)
-        c.chosen = LOOKUP if m else None
-        return m
+    def _beats_plain(self, req: Request, m: int) -> bool:
+        """Whether ``m`` lookup drafts for ``req`` make the step yield more tokens per second
+        than plain decoding (the batch's other requests yield one token each either way)."""
+        n = self._batch_size
+        plain, verify = self.costs.target_time(n), self.costs.target_time(n + m)
+        if plain is None or verify is None:
+            return True  # nothing measured yet: acceptance decides, as the policy does
+        return (n - 1 + expected_tokens(self.estimate(req, LOOKUP), m)) / verify > n / plain
 
     # ------------------------------------------------------------------ proposing
 

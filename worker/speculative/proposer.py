@@ -100,10 +100,14 @@ class Proposer(ABC):
     def start_step(self, batch_size: int) -> None:  # noqa: B027 - proposers that weigh no costs
         """Planning of a step with ``batch_size`` running requests begins."""
 
-    def plan_behind(self, req: Request, k: int) -> int:  # noqa: ARG002 - proposers that draft only caught up
-        """At scheduling, for a request this proposer must catch up on first: drafts it can
-        offer all the same (0..k; a hybrid's lookup needs no catching up). Default 0."""
-        return 0
+    def offer(self, req: Request, k: int, ceiling: int, behind: bool) -> int:  # noqa: ARG002 - see HybridProposer
+        """At scheduling: the drafts this proposer plans for ``req`` this step, given the
+        policy's ``k`` (0: none), the most any drafts may be (``ceiling`` >= k: what the
+        request's limit, its max_tokens and the context leave) and whether it must catch up
+        on the request first (``behind``: then a proposal would read too much inline).
+        Default: :meth:`plan` at k, nothing while behind. A hybrid's lookup, which costs
+        nothing and needs no catching up, may offer up to ``ceiling`` whatever k is."""
+        return 0 if k == 0 or behind else self.plan(req, k)
 
     def plan(self, req: Request, k: int) -> int:  # noqa: ARG002 - proposers that can always draft k
         """At scheduling: how many tokens (0..k, ``k >= 1``) this proposer will draft for ``req``
