@@ -10,8 +10,8 @@
 - seeded sampling equals plain seeded sampling (the chi-square check for sampled output is in
   test_spec_distribution.py);
 - the choice: a lookup that finds nothing leaves the model drafting; between two offers the
-  expected tokens per second decide, from each part's acceptance on that request and the
-  model's measured cost;
+  expected tokens per second decide, from each part's acceptance on that request (a new
+  request's starting from the part's acceptance on all requests) and the model's measured cost;
 - a proposal that fails fails its request alone, and the engine's blocks come back;
 - the configurations it refuses, in one line each.
 """
@@ -135,7 +135,13 @@ def test_the_choice_weighs_acceptance_and_cost():
     # and the other way round
     c.rounds = (deque([(4, 0)] * 8), deque([(3, 3)] * 8))
     assert hybrid.plan(repeat, 4) == 4 and c.chosen == LOOKUP
-    for r in (novel, repeat):
+    # a new request starts from what each part does on all requests, not from a fixed guess
+    fresh = _request("fresh", list(repeat.prompt_token_ids))
+    assert hybrid.estimate(fresh, LOOKUP) == pytest.approx(0.7)
+    hybrid._recent[LOOKUP].extend([(4, 0)] * 40)
+    assert hybrid.estimate(fresh, LOOKUP) < 0.1
+    assert hybrid.plan(fresh, 4) == 4 and hybrid.choices["fresh"].chosen == MODEL
+    for r in (novel, repeat, fresh):
         hybrid.release(r)
     hybrid.check_idle()
 

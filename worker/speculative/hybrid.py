@@ -11,7 +11,7 @@ through the one :class:`~draftwise.worker.speculative.proposer.Proposer` interfa
   spent anyway); when it finds ``m`` drafts, the request's two options are compared by expected
   tokens per second: ``expected_tokens(a, m) / (verify(n + m) + m * c)``, with ``a`` the
   option's per-token acceptance on this request (its own window of recent rounds, smoothed
-  towards a prior), ``verify`` the target's measured step time at the batch's size plus the
+  towards the part's acceptance over all requests' recent rounds), ``verify`` the target's measured step time at the batch's size plus the
   drafts (the speculation policy's :class:`~draftwise.worker.speculative.policy.CostModel`),
   and ``c`` the drafter's measured cost per drafted token (0 for the lookup). The model's
   ``m`` is the k the policy chose.
@@ -57,8 +57,9 @@ __all__ = ["HybridProposer"]
 MODEL, LOOKUP = 0, 1
 """The two parts, as the per-request records index them."""
 WINDOW = 16  # rounds of each part behind a request's acceptance estimate
-PRIOR = 0.7  # acceptance assumed before a part has drafted for a request
-PRIOR_WEIGHT = 2.0  # pseudo-observations of PRIOR in the estimate
+PRIOR = 0.7  # acceptance assumed before a part has drafted at all
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior in an estimate
+GLOBAL_WINDOW = 256  # rounds of each part, all requests, behind the prior of a request's estimate
 UNMEASURED_DRAFT_COST = 0.1  # a model-drafted token's cost in target steps, until one is measured
 
 
@@ -89,6 +90,10 @@ class HybridProposer(Proposer):
         self.wants_hidden = model.wants_hidden
         self.choices: dict[str, _Choice] = {}
         self.drafted = [0, 0]  # verified rounds each part drafted (model, lookup), for reports and tests
+        self._recent: tuple[deque[tuple[int, int]], deque[tuple[int, int]]] = (
+            deque(maxlen=GLOBAL_WINDOW),
+            deque(maxlen=GLOBAL_WINDOW),
+        )
         self._batch_size = 1
         self._model_cost: float | None = None  # seconds of one more model-drafted token (fastest recent)
         self._model_costs: deque[float] = deque(maxlen=9)
@@ -131,11 +136,10 @@ class HybridProposer(Proposer):
 
     def estimate(self, req: Request, part: int) -> float:
         """The part's per-token acceptance on ``req`` (accepted / (accepted + rejections)
-        over its window, smoothed towards PRIOR)."""
-        rounds = self._choice(req).rounds[part]
-        accepted = sum(a for _, a in rounds)
-        rejected = sum(1 for k, a in rounds if a < k)
-        return (accepted + PRIOR * PRIOR_WEIGHT) / (accepted + rejected + PRIOR_WEIGHT)
+        over its window), smoothed towards the part's acceptance over all requests' recent
+        rounds (itself smoothed towards PRIOR): a new request starts from what the part
+        does on this worker's traffic, not from a guess."""
+        return _smoothed(self._choice(req).rounds[part], _smoothed(self._recent[part], PRIOR))
 
     def rate(self, req: Request, part: int, m: int) -> float:
         """Expected tokens per second of a step in which ``part`` drafts ``m`` tokens for
@@ -221,6 +225,7 @@ class HybridProposer(Proposer):
         chosen, c.chosen = c.chosen, None
         if chosen is not None:
             c.rounds[chosen].append((k, accepted))
+            self._recent[chosen].append((k, accepted))
             self.drafted[chosen] += 1
         if chosen == MODEL or (self.model.wants_hidden and not c.model_off):
             self.model.settle(req, num_tokens_before, k, accepted)
@@ -248,3 +253,11 @@ class HybridProposer(Proposer):
         self.check([])
         self.model.check_idle()
         self.lookup.check_idle()
+
+
+def _smoothed(rounds: deque[tuple[int, int]], prior: float) -> float:
+    """Per-token acceptance over ``rounds`` of (drafted, accepted): accepted / (accepted +
+    rejections), with PRIOR_WEIGHT pseudo-observations of ``prior``."""
+    accepted = sum(a for _, a in rounds)
+    rejected = sum(1 for k, a in rounds if a < k)
+    return (accepted + prior * PRIOR_WEIGHT) / (accepted + rejected + PRIOR_WEIGHT)
