@@ -11,7 +11,8 @@
   test_spec_distribution.py);
 - the choice: a lookup that finds nothing leaves the model drafting; between two offers the
   expected tokens per second decide, from each part's acceptance on that request (a new
-  request's starting from the part's acceptance on all requests) and the model's measured cost;
+  request's starting from the part's acceptance on all requests) and the model's measured cost,
+  and neither drafts where the measured costs say it would not beat plain decoding;
 - a proposal that fails fails its request alone, and the engine's blocks come back;
 - the configurations it refuses, in one line each.
 """
@@ -141,6 +142,15 @@ def test_the_choice_weighs_acceptance_and_cost():
     hybrid._recent[LOOKUP].extend([(4, 0)] * 40)
     assert hybrid.estimate(fresh, LOOKUP) < 0.1
     assert hybrid.plan(fresh, 4) == 4 and hybrid.choices["fresh"].chosen == MODEL
+    # once costs are measured, drafts that would not beat plain decoding are not offered at all
+    for size, seconds in ((1, 0.010), (5, 0.012)):
+        for _ in range(3):  # the first time of a size is dropped (cold)
+            hybrid.costs.record_target(size, seconds)
+    hybrid._model_costs.append(0.001)
+    hybrid._model_cost = 0.001
+    assert hybrid.plan(novel, 4) == 4  # the model's acceptance on all requests so far: drafting pays
+    hybrid._recent[MODEL].extend([(4, 0)] * 40)  # the model's drafts stopped being accepted
+    assert hybrid.plan(novel, 4) == 0 and hybrid.choices["novel"].chosen is None
     for r in (novel, repeat, fresh):
         hybrid.release(r)
     hybrid.check_idle()

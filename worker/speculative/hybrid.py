@@ -162,31 +162,27 @@ class HybridProposer(Proposer):
     def offer(self, req: Request, k: int, ceiling: int, behind: bool) -> int:
         """The lookup looks up to ``ceiling`` (it costs nothing to draft, so the policy's k,
         priced at the model's cost, does not cap it); the model offers ``k`` unless it is
-        behind; the better rate wins, and a lookup alone must beat plain decoding."""
+        behind; the better rate wins, if it beats plain decoding."""
         c = self._choice(req)
         m_lookup = self.lookup.plan(req, ceiling) if ceiling > 0 else 0
         m_model = 0 if c.model_off or behind or k == 0 else self.model.plan(req, k)
-        c.chosen = None
-        if m_lookup:
-            rate = self.rate(req, LOOKUP, m_lookup)
-            if (m_model and rate >= self.rate(req, MODEL, m_model)) or (
-                not m_model and self._beats_plain(req, m_lookup)
-            ):
-                c.chosen = LOOKUP
-                return m_lookup
+        offers = [(self.rate(req, part, m), part, m) for part, m in ((LOOKUP, m_lookup), (MODEL, m_model)) if m]
+        _, part, m = max(offers, default=(0.0, MODEL, 0))  # on a tie the lookup (LOOKUP > MODEL): no drafting cost
+        c.chosen = part if m and self._beats_plain(req, part, m) else None
+        if m_lookup and c.chosen != LOOKUP:
             self.lookup.discard(req)
-        if m_model:
-            c.chosen = MODEL
-        return m_model
+        return 0 if c.chosen is None else m
 
-    def _beats_plain(self, req: Request, m: int) -> bool:
-        """Whether ``m`` lookup drafts for ``req`` make the step yield more tokens per second
-        than plain decoding (the batch's other requests yield one token each either way)."""
+    def _beats_plain(self, req: Request, part: int, m: int) -> bool:
+        """Whether ``m`` drafts of ``part`` for ``req`` make the step yield more tokens per
+        second than plain decoding (the batch's other requests yield one token each either
+        way; the model's drafts add their draft steps, which the whole batch waits for)."""
         n = self._batch_size
         plain, verify = self.costs.target_time(n), self.costs.target_time(n + m)
-        if plain is None or verify is None:
+        if plain is None or verify is None or (part == MODEL and self._model_cost is None):
             return True  # nothing measured yet: acceptance decides, as the policy does
-        return (n - 1 + expected_tokens(self.estimate(req, LOOKUP), m)) / verify > n / plain
+        cost = m * self._model_cost if part == MODEL and self._model_cost is not None else 0.0
+        return (n - 1 + expected_tokens(self.estimate(req, part), m)) / (verify + cost) > n / plain
 
     # ------------------------------------------------------------------ proposing
 
