@@ -209,9 +209,42 @@ def test_the_check_sees_a_weight_converted_per_step(monkeypatch):
     assert copies
 
 
+def test_a_float16_draft_beside_a_float32_target_is_exact_and_accepts_as_the_float_draft():
+    """speculative_quantization="fp16": only the draft is packed; greedy output is plain greedy's
+    (batched, chunked, preempted), and the draft's acceptance stays that of the float32 draft."""
+    reqs = _requests(40, seed=8)
+    alone = run_alone(reqs)
+    accepted = {}
+    for mode in (None, "fp16"):
+        engine = LLMEngine(
+            _config(
+                speculative_model="default",
+                speculative_quantization=mode,
+                max_num_batched_tokens=48,
+                max_num_seqs=12,
+                num_kv_blocks=40,  # forces preemption
+                **FIXED_K,
+            )
+        )
+        assert engine.proposer is not None
+        draft_packed = [lin.packed is not None for lin in engine.proposer.loaded.model.linears()]
+        assert all(draft_packed) if mode else not any(draft_packed)
+        assert not any(lin.packed is not None for lin in engine.loaded.model.linears())  # the target stays float32
+        together = run_together(reqs, engine)
+        assert engine.scheduler.num_preemptions > 0
+        assert [rid for rid in alone if together[rid] != alone[rid]] == []
+        t = engine.spec_totals
+        accepted[mode] = t["accepted"] / t["proposed"]
+        engine.check_idle_invariants()
+    assert accepted["fp16"] > 0 and abs(accepted["fp16"] - accepted[None]) <= 0.03, accepted
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
+        ({"speculative_quantization": "int8", "speculative_model": "default"}, "speculative_quantization must be"),
+        ({"speculative_quantization": "fp16", "speculative_method": "ngram"}, "applies to a draft model"),
+        ({"speculative_quantization": "fp16", "speculative_model": "default", "device": "cuda"}, "needs device cpu"),
         ({"quantization": "int8"}, "quantization must be one of fp16"),
         ({"quantization": "fp16", "device": "cuda"}, "needs device cpu"),
         ({"quantization": "fp16", "dtype": "bfloat16"}, "dtype float32 or auto"),

@@ -62,17 +62,22 @@ class EngineConfig:
     speculative_lookup: str | None = (
         None  # "suffix" | "ngram": a lookup beside a draft model or Medusa heads, the more promising drafts each step
     )
+    speculative_quantization: str | None = (
+        None  # "fp16": the draft model's weights packed as float16 (CPU), whatever the target's; None: as the target's
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization is not None and (self.device != "cpu" or self.dtype not in ("auto", "float32")):
-            raise ValueError(
-                f"quantization={self.quantization!r} packs CPU weights for float32 activations: it needs device cpu and "
-                f"dtype float32 or auto (got device {self.device}, dtype {self.dtype})"
-            )
+        for name in ("quantization", "speculative_quantization"):
+            mode = getattr(self, name)
+            if mode is not None and mode not in QUANTIZATIONS:
+                raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+            if mode is not None and (self.device != "cpu" or self.dtype not in ("auto", "float32")):
+                raise ValueError(
+                    f"{name}={mode!r} packs CPU weights for float32 activations: it needs device cpu and "
+                    f"dtype float32 or auto (got device {self.device}, dtype {self.dtype})"
+                )
         if isinstance(self.device, str) and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.block_size < 1:
@@ -111,6 +116,11 @@ class EngineConfig:
         if self.suffix_cache_max_tokens is not None and ("suffix" not in lookups or self.suffix_cache_max_tokens < 1):
             raise ValueError(
                 "suffix_cache_max_tokens must be >= 1 and applies to speculative_method or speculative_lookup 'suffix' only"
+            )
+        if self.speculative_quantization is not None and self.spec_method != "draft":
+            raise ValueError(
+                "speculative_quantization applies to a draft model (speculative_model), "
+                f"not to speculative_method={self.spec_method!r}"
             )
         if method == "draft" and self.speculative_model is None:
             raise ValueError("speculative_method='draft' needs speculative_model (a checkpoint folder, or 'default')")

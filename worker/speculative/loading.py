@@ -46,7 +46,8 @@ def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) ->
     name = str(config.speculative_model)
     folder = default_model_path("draft") if name == "default" else Path(name)
     try:
-        draft = load_model(folder, dtype=target.dtype, device=target.device, quantization=target.quantization)
+        quantization = config.speculative_quantization or target.quantization
+        draft = load_model(folder, dtype=target.dtype, device=target.device, quantization=quantization)
     except ModelLoadError as e:
         raise ModelLoadError(f"speculative_model: {e}") from e
     if draft.config.max_position_embeddings < max_model_len:
