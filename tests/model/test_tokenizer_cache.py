@@ -52,6 +52,19 @@ def test_the_conversion_is_cached_and_the_cache_is_the_same_tokenizer(gguf, monk
     _same(converted, cached)
 
 
+def test_the_direct_conversion_is_autotokenizers(gguf):
+    """convert_gguf_tokenizer skips AutoTokenizer's read of the whole file: same tokenizer."""
+    from transformers import AutoTokenizer
+
+    from draftwise.worker.text.tokenizer import Tokenizer, convert_gguf_tokenizer
+
+    direct = convert_gguf_tokenizer(gguf, "llama")
+    auto = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    assert type(direct) is type(auto)
+    assert direct.init_kwargs == auto.init_kwargs
+    _same(Tokenizer(direct), Tokenizer(auto))
+
+
 def test_a_damaged_entry_is_converted_again(gguf):
     first = load_tokenizer(gguf)
     folder = gguf_tokenizer_cache(gguf)

@@ -2,8 +2,8 @@
 GGUF file, transformers' GGUF conversion of the file's own vocabulary, merges, special tokens and
 chat template (``tokenizer.chat_template``), so that ``hf.apply_chat_template`` works the same for both.
 
-The GGUF conversion takes seconds of Python (8.7 s for SmolLM2's 49k-token vocabulary on the 2-core
-development machine, half of a server's start-up), so its result is saved once, as a tokenizer
+The GGUF conversion takes seconds of Python (2 s for SmolLM2's 49k-token vocabulary on the 2-core
+development machine through :func:`convert_gguf_tokenizer`; 8.7 s through ``AutoTokenizer``), so its result is saved once, as a tokenizer
 folder, under ``$DRAFTWISE_CACHE_DIR/tokenizers`` (default ``$XDG_CACHE_HOME/draftwise`` or
 ``~/.cache/draftwise``), keyed by the file's path, size and modification time and by the
 transformers version; later loads read that folder (a fraction of a second). A cache that cannot
@@ -79,12 +79,31 @@ def _load_gguf_tokenizer(path: Path) -> Tokenizer:
     if "tokenizer.ggml.model" not in ckpt.metadata:
         raise ModelLoadError(f"{path}: the GGUF file carries no tokenizer (no 'tokenizer.ggml.model' metadata)")
     try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        hf = convert_gguf_tokenizer(path, ckpt.architecture)
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"{path}: tokenizer could not be built from the GGUF file ({e})") from None
     if cached is not None:
         _save(hf, cached)
     return Tokenizer(hf)
+
+
+def convert_gguf_tokenizer(path: Path, architecture: str) -> Any:
+    """Transformers' tokenizer for the GGUF file ``path``: what ``AutoTokenizer`` builds, without
+    its detour. For a Llama file (in a folder with no ``tokenizer_config.json`` to name another
+    class) AutoTokenizer reads the whole file's metadata with gguf-py (5 s of Python for SmolLM2)
+    only to learn that the model type is "llama", for which transformers maps no tokenizer class,
+    and then builds the generic ``TokenizersBackend`` from transformers' own fast GGUF reader:
+    this builds that directly (2 s). Any other file goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    kw: dict[str, Any] = {"gguf_file": path.name, "local_files_only": True}
+    if architecture == "llama" and not (path.parent / "tokenizer_config.json").exists():
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        if "llama" not in TOKENIZER_MAPPING_NAMES:  # AutoTokenizer's choice for the type, as above
+            return TokenizersBackend.from_pretrained(str(path.parent), **kw)
+    return AutoTokenizer.from_pretrained(str(path.parent), **kw)
 
 
 def gguf_tokenizer_cache(path: Path) -> Path | None:
