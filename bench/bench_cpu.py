@@ -388,7 +388,7 @@ def main() -> None:
                 first.close()
                 s = start_ours(path, quant, args.threads, tmp, cache)
                 try:
-                    r["startup_s"][mode] = {"first": first.ready_s, "again": s.ready_s}
+                    r["startup_s"][mode] = {"first": first.ready_s, "again": s.ready_s, "file": path.name}
                     if "served" in which:
                         r["served"][mode] = served(s, llama=False)
                     if "concurrent" in which:
@@ -516,9 +516,13 @@ def render(r: dict) -> str:
         lines += [
             "### Start-up: `draftwise serve --model FILE` to its serving line (goal <= 15 s)",
             "",
-            "| mode | first start (GGUF tokenizer converted and cached), s | next start, s |",
-            "| --- | --- | --- |",
-            *[f"| {k} | {v['first']:.1f} | {v['again']:.1f} |" for k, v in st.items() if isinstance(v, dict)],
+            "| mode | file | first start (GGUF tokenizer converted and cached), s | next start, s |",
+            "| --- | --- | --- | --- |",
+            *[
+                f"| {k} | {v.get('file', '')} | {v['first']:.1f} | {v['again']:.1f} |"
+                for k, v in st.items()
+                if isinstance(v, dict)
+            ],
             "",
         ]
     return "\n".join(lines)

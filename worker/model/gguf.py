@@ -1,6 +1,8 @@
 """GGUF checkpoints (llama.cpp's single-file format) for our Llama-family model code.
 
-Read and dequantized with the maintained ``gguf`` package (no parser of our own):
+The container is read by :mod:`draftwise.worker.model.gguf_file` (metadata and tensor table with
+``struct`` over a memory map: gguf-py's reader parses the tokenizer's arrays element by element, a
+quarter of a server's start-up); tensors are dequantized with the maintained ``gguf`` package:
 
 - the architecture and hyper-parameters come from the file's metadata (``general.architecture``,
   ``{arch}.embedding_length``, ``{arch}.block_count``, ``{arch}.attention.head_count`` ...), the
@@ -25,6 +27,7 @@ import numpy as np
 import structlog
 import torch
 
+from draftwise.worker.model.gguf_file import GGUFTensor, read_gguf
 from draftwise.worker.model.model_config import ModelConfig, ModelLoadError, RopeConfig
 
 log = structlog.get_logger("draftwise.gguf")
@@ -57,7 +60,7 @@ class GGUFCheckpoint:
     """An opened GGUF file: its metadata and its tensors (memory-mapped, not yet dequantized)."""
 
     path: Path
-    reader: Any  # gguf.GGUFReader
+    tensors: list[GGUFTensor]  # memory-mapped, in the file's order
     metadata: dict[str, Any]  # key -> value (strings, numbers, lists), token arrays excluded
 
     @property
@@ -65,7 +68,7 @@ class GGUFCheckpoint:
         return str(self.metadata.get("general.architecture", ""))
 
     def tensor_names(self) -> list[str]:
-        return [t.name for t in self.reader.tensors]
+        return [t.name for t in self.tensors]
 
 
 # token arrays: tens of thousands of entries, read by the tokenizer only
@@ -74,8 +77,6 @@ _SKIPPED_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.gg
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
     """Open ``path``; a missing, truncated or foreign file raises ModelLoadError saying which."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: GGUF file does not exist")
@@ -89,18 +90,10 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, OSError, UnicodeDecodeError) as e:
+        file = read_gguf(path, skip=_SKIPPED_KEYS)
+    except (ValueError, OSError) as e:  # GGUFFormatError is a ValueError
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in _SKIPPED_KEYS:
-            continue
-        try:
-            metadata[key] = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: corrupt metadata value {key!r} ({e})") from None
-    return GGUFCheckpoint(path=path, reader=reader, metadata=metadata)
+    return GGUFCheckpoint(path=path, tensors=file.tensors, metadata=file.metadata)
 
 
 def gguf_config(ckpt: GGUFCheckpoint) -> ModelConfig:
@@ -133,7 +126,7 @@ def gguf_config(ckpt: GGUFCheckpoint) -> ModelConfig:
             f"{path}: partial rotary embeddings ({arch}.rope.dimension_count={rot}, head size {head_dim}) "
             "are not supported"
         )
-    tensors = {t.name: t for t in ckpt.reader.tensors}
+    tensors = {t.name: t for t in ckpt.tensors}
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' not found in the GGUF file")
@@ -168,7 +161,7 @@ def _rope(ckpt: GGUFCheckpoint, arch: str, cfg: ModelConfig) -> RopeConfig:
     theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
     kind = str(md.get(f"{arch}.rope.scaling.type", "none"))
     factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    freqs = next((t for t in ckpt.reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = next((t for t in ckpt.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3.1-style per-frequency factors: accepted when they are llama3 scaling's
         got = torch.from_numpy(_dequantize(ckpt, freqs).reshape(-1).copy())
         llama3 = RopeConfig(theta=theta, rope_type="llama3", factor=float(got.max()), **_LLAMA3_ROPE)  # type: ignore[arg-type]
@@ -255,7 +248,7 @@ def iter_gguf_tensors(
     (dimension, [start, stop)) of the tensor to keep (a tensor-parallel rank's shard), None for
     all of it; a range of rows is cut before dequantizing, a range of columns after."""
     unpermute = ckpt.architecture == "llama"
-    for t in ckpt.reader.tensors:
+    for t in ckpt.tensors:
         name = _hf_name(t.name)
         if name is None or name not in wanted:
             if t.name != "rope_freqs.weight":  # read into the config
