@@ -8,13 +8,14 @@ tool-call JSON, templated answers), at no model cost. :class:`HybridProposer` ru
 through the one :class:`~draftwise.worker.speculative.proposer.Proposer` interface:
 
 - **Planning**: the lookup looks up every decoding request (it costs next to nothing and is
-  spent anyway); when it finds ``m`` drafts, the request's two options are compared by expected
-  tokens per second: ``expected_tokens(a, m) / (verify(n + m) + m * c)``, with ``a`` the
-  option's per-token acceptance on this request (its own window of recent rounds, smoothed
-  towards the part's acceptance over all requests' recent rounds), ``verify`` the target's measured step time at the batch's size plus the
-  drafts (the speculation policy's :class:`~draftwise.worker.speculative.policy.CostModel`),
-  and ``c`` the drafter's measured cost per drafted token (0 for the lookup). The model's
-  ``m`` is the k the policy chose.
+  spent anyway); when it finds ``m`` drafts, the request's two options are compared by the
+  step's expected tokens per second, ``(n - 1 + expected_tokens(a, m)) / (verify(n + m) + m * c)``
+  for a batch of ``n``, with ``a`` the option's per-token acceptance on this request (its own
+  window of recent rounds, smoothed towards the part's acceptance over all requests' recent
+  rounds), ``verify`` the target's measured step time at the batch's size plus the drafts (the
+  speculation policy's :class:`~draftwise.worker.speculative.policy.CostModel`), and ``c`` the
+  drafter's measured cost per drafted token (0 for the lookup). The model's ``m`` is the k the
+  policy chose. The better offer drafts only if it beats plain decoding's ``n / plain(n)``.
 - **Catching up**: after a round of lookup drafts the draft model lags the request by the
   accepted tokens. While the lookup keeps finding drafts it keeps drafting, and the draft model
   catches up only in a step where the lookup finds nothing (through the step's token budget,
@@ -141,20 +142,19 @@ class HybridProposer(Proposer):
         does on this worker's traffic, not from a guess."""
         return _smoothed(self._choice(req).rounds[part], _smoothed(self._recent[part], PRIOR))
 
-    def rate(self, req: Request, part: int, m: int) -> float:
-        """Expected tokens per second of a step in which ``part`` drafts ``m`` tokens for
-        ``req`` (in plain-step units while no step time is measured yet)."""
+    def rate(self, req: Request, part: int, m: int) -> tuple[float, bool]:
+        """Expected tokens per second of this step if ``part`` drafts ``m`` tokens for ``req``
+        (the batch's other requests yield one token each either way; the model's drafts add
+        their draft steps, which the whole batch waits for), and whether it rests on measured
+        times (else it is in plain-step units, a model-drafted token taken as
+        UNMEASURED_DRAFT_COST of a step)."""
         n = self._batch_size
         verify = self.costs.target_time(n + m)
-        cost = 0.0
-        if part == MODEL:
-            unit = self._model_cost if self._model_cost is not None else None
-            if verify is None or unit is None:
-                verify, unit = 1.0, UNMEASURED_DRAFT_COST
-            cost = m * unit
-        elif verify is None:
-            verify = 1.0
-        return expected_tokens(self.estimate(req, part), m) / (verify + cost)
+        unit = self._model_cost if part == MODEL else 0.0
+        measured = verify is not None and unit is not None
+        if verify is None or unit is None:
+            verify, unit = 1.0, UNMEASURED_DRAFT_COST if part == MODEL else 0.0
+        return (n - 1 + expected_tokens(self.estimate(req, part), m)) / (verify + m * unit), measured
 
     def plan(self, req: Request, k: int) -> int:
         return self.offer(req, k, k, behind=False)
@@ -162,27 +162,19 @@ class HybridProposer(Proposer):
     def offer(self, req: Request, k: int, ceiling: int, behind: bool) -> int:
         """The lookup looks up to ``ceiling`` (it costs nothing to draft, so the policy's k,
         priced at the model's cost, does not cap it); the model offers ``k`` unless it is
-        behind; the better rate wins, if it beats plain decoding."""
+        behind; the better rate wins, if it beats plain decoding (once the times are measured)."""
         c = self._choice(req)
         m_lookup = self.lookup.plan(req, ceiling) if ceiling > 0 else 0
         m_model = 0 if c.model_off or behind or k == 0 else self.model.plan(req, k)
-        offers = [(self.rate(req, part, m), part, m) for part, m in ((LOOKUP, m_lookup), (MODEL, m_model)) if m]
-        _, part, m = max(offers, default=(0.0, MODEL, 0))  # on a tie the lookup (LOOKUP > MODEL): no drafting cost
-        c.chosen = part if m and self._beats_plain(req, part, m) else None
+        offers = [(*self.rate(req, part, m), part, m) for part, m in ((LOOKUP, m_lookup), (MODEL, m_model)) if m]
+        # on equal rates the lookup wins (LOOKUP > MODEL): it costs no drafting
+        rate, measured, part, m = max(offers, key=lambda o: (o[0], o[2]), default=(0.0, False, MODEL, 0))
+        plain = self.costs.target_time(self._batch_size)
+        beats = not measured or plain is None or rate > self._batch_size / plain
+        c.chosen = part if m and beats else None
         if m_lookup and c.chosen != LOOKUP:
             self.lookup.discard(req)
         return 0 if c.chosen is None else m
-
-    def _beats_plain(self, req: Request, part: int, m: int) -> bool:
-        """Whether ``m`` drafts of ``part`` for ``req`` make the step yield more tokens per
-        second than plain decoding (the batch's other requests yield one token each either
-        way; the model's drafts add their draft steps, which the whole batch waits for)."""
-        n = self._batch_size
-        plain, verify = self.costs.target_time(n), self.costs.target_time(n + m)
-        if plain is None or verify is None or (part == MODEL and self._model_cost is None):
-            return True  # nothing measured yet: acceptance decides, as the policy does
-        cost = m * self._model_cost if part == MODEL and self._model_cost is not None else 0.0
-        return (n - 1 + expected_tokens(self.estimate(req, part), m)) / (verify + cost) > n / plain
 
     # ------------------------------------------------------------------ proposing
 

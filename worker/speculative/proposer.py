@@ -17,7 +17,8 @@ Invariants every proposer keeps:
   SpecDecoder calls whenever the target's blocks of a request are freed (finished, aborted,
   failed, preempted) or the request stops speculating.
 - **k = 0 is not a call.** :meth:`Proposer.plan` is asked with ``k >= 1`` and may answer 0 (this
-  request gets no drafts this step); :meth:`Proposer.propose` only sees requests whose plan was
+  request gets no drafts this step; the SpecDecoder asks :meth:`Proposer.offer`, which calls it only
+  then, and a hybrid's lookup, which costs nothing, may offer drafts at k = 0); :meth:`Proposer.propose` only sees requests whose plan was
   ``>= 1`` and returns exactly that many tokens for each.
 - **Rolling back** is :meth:`Proposer.settle`: after verification it keeps what belongs to the
   accepted prefix and forgets the rest, so that the next proposal continues from the tokens
