@@ -133,7 +133,9 @@ def read_gguf(path: Path, skip: Container[str] = ()) -> GGUFFile:
         block, size = GGML_QUANT_SIZES[qtype]
         rows_first = tuple(reversed(dims))
         n = prod(dims)
-        if rows_first and rows_first[-1] % block:
+        if not rows_first:
+            raise GGUFFormatError(f"tensor {name!r} has no dimensions")
+        if rows_first[-1] % block:
             raise GGUFFormatError(f"tensor {name!r}: a row of {rows_first[-1]} is not whole {qtype.name} blocks")
         nbytes = n * size // block
         at = start + offset
