@@ -19,17 +19,15 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.core.request import Request
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.hybrid import LOOKUP, MODEL, HybridProposer
-from tests.engine.test_spec_exactness import _config, run_together
-from tests.engine.test_suffix_proposer import _agent_workload
+from draftwise.worker.speculative.hybrid import LOOKUP, MODEL, WINDOW, HybridProposer, Window
+from tests.engine.test_spec_exactness import _config, run_alone, run_together
+from tests.engine.test_suffix_proposer import _agent_workload, _seeded
 
 DRAFT_SUFFIX = {"speculative_model": "default", "speculative_lookup": "suffix"}
 MEDUSA_NGRAM = {"speculative_method": "medusa", "speculative_lookup": "ngram"}
@@ -38,14 +36,7 @@ MEDUSA_NGRAM = {"speculative_method": "medusa", "speculative_lookup": "ngram"}
 @pytest.fixture(scope="module")
 def agent():
     reqs = _agent_workload(5)
-    engine = LLMEngine(_config(num_kv_blocks=128, enable_prefix_caching=False))
-    ref = {}
-    for rid, prompt, params, _ in reqs:
-        engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            for o in engine.step().finished:
-                ref[o.request_id] = o.outputs[0].token_ids
-    return reqs, ref
+    return reqs, run_alone(reqs)
 
 
 def _hybrid(engine: LLMEngine) -> HybridProposer:
@@ -98,21 +89,24 @@ def test_greedy_is_exact_batched_with_chunked_prefill_and_preemption(agent, spec
     engine.check_idle_invariants()
 
 
-def _seeded(spec: dict) -> dict[str, list[int]]:
-    engine = LLMEngine(_config(num_kv_blocks=128, max_num_seqs=4, **spec))
-    out = {}
-    for i, (rid, prompt, _, _) in enumerate(_agent_workload(4)[:12]):
-        params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=70 + i)
-        engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            for o in engine.step().finished:
-                out[o.request_id] = o.outputs[0].token_ids
-    engine.check_idle_invariants()
-    return out
-
-
 def test_seeded_sampling_equals_plain_seeded():
     assert _seeded(DRAFT_SUFFIX) == _seeded({})
+
+
+def _window(rounds: list[tuple[int, int]]) -> Window:
+    w = Window(WINDOW)
+    for k, a in rounds:
+        w.add(k, a)
+    return w
+
+
+def test_a_window_keeps_the_totals_of_its_last_rounds():
+    w = Window(3)
+    for k, a in [(4, 4), (4, 1), (2, 2), (3, 0), (5, 5)]:
+        w.add(k, a)
+    assert list(w.rounds) == [(2, 2), (3, 0), (5, 5)]
+    assert (w.accepted, w.rejected) == (7, 1)
+    assert w.estimate(0.5) == pytest.approx((7 + 0.5 * 2) / (7 + 1 + 2))
 
 
 def _request(rid: str, tokens: list[int]) -> Request:
@@ -130,16 +124,17 @@ def test_the_choice_weighs_acceptance_and_cost():
     assert hybrid.plan(repeat, 4) == 4 and hybrid.choices["repeat"].chosen == LOOKUP
     # a lookup that kept failing on this request loses to a model that kept succeeding
     c = hybrid.choices["repeat"]
-    c.rounds = (deque([(4, 4)] * 8), deque([(3, 0)] * 8))
+    c.rounds = (_window([(4, 4)] * 8), _window([(3, 0)] * 8))
     assert hybrid.plan(repeat, 4) == 4 and c.chosen == MODEL
     assert "repeat" not in hybrid.lookup._found  # the lookup's unused drafts are dropped
     # and the other way round
-    c.rounds = (deque([(4, 0)] * 8), deque([(3, 3)] * 8))
+    c.rounds = (_window([(4, 0)] * 8), _window([(3, 3)] * 8))
     assert hybrid.plan(repeat, 4) == 4 and c.chosen == LOOKUP
     # a new request starts from what each part does on all requests, not from a fixed guess
     fresh = _request("fresh", list(repeat.prompt_token_ids))
     assert hybrid.estimate(fresh, LOOKUP) == pytest.approx(0.7)
-    hybrid._recent[LOOKUP].extend([(4, 0)] * 40)
+    for _ in range(40):
+        hybrid.recent[LOOKUP].add(4, 0)
     assert hybrid.estimate(fresh, LOOKUP) < 0.1
     assert hybrid.plan(fresh, 4) == 4 and hybrid.choices["fresh"].chosen == MODEL
     # once costs are measured, drafts that would not beat plain decoding are not offered at all
@@ -149,7 +144,8 @@ def test_the_choice_weighs_acceptance_and_cost():
     hybrid._model_costs.append(0.001)
     hybrid._model_cost = 0.001
     assert hybrid.plan(novel, 4) == 4  # the model's acceptance on all requests so far: drafting pays
-    hybrid._recent[MODEL].extend([(4, 0)] * 40)  # the model's drafts stopped being accepted
+    for _ in range(40):  # the model's drafts stopped being accepted
+        hybrid.recent[MODEL].add(4, 0)
     assert hybrid.plan(novel, 4) == 0 and hybrid.choices["novel"].chosen is None
     for r in (novel, repeat, fresh):
         hybrid.release(r)

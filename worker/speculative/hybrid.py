@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from draftwise.worker.core.request import Request
 
-__all__ = ["HybridProposer"]
+__all__ = ["HybridProposer", "Window"]
 
 MODEL, LOOKUP = 0, 1
 """The two parts, as the per-request records index them."""
@@ -64,14 +64,38 @@ GLOBAL_WINDOW = 256  # rounds of each part, all requests, behind the prior of a 
 UNMEASURED_DRAFT_COST = 0.1  # a model-drafted token's cost in target steps, until one is measured
 
 
+class Window:
+    """A part's last ``size`` verified rounds (drafted, accepted), with their totals kept as
+    rounds come and go: an estimate costs O(1), not a sum over the window, for every request
+    at every step."""
+
+    def __init__(self, size: int) -> None:
+        self.rounds: deque[tuple[int, int]] = deque()
+        self.size = size
+        self.accepted = 0
+        self.rejected = 0  # rounds that ended in a rejection (fewer accepted than drafted)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if len(self.rounds) == self.size:
+            k, a = self.rounds.popleft()
+            self.accepted -= a
+            self.rejected -= a < k
+        self.rounds.append((drafted, accepted))
+        self.accepted += accepted
+        self.rejected += accepted < drafted
+
+    def estimate(self, prior: float) -> float:
+        """Per-token acceptance, accepted / (accepted + rejections), with PRIOR_WEIGHT
+        pseudo-observations of ``prior``."""
+        return (self.accepted + prior * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+
+
 @dataclass
 class _Choice:
     """One request's record: each part's recent rounds, how often each drafted, and this
     step's choice."""
 
-    rounds: tuple[deque[tuple[int, int]], deque[tuple[int, int]]] = field(
-        default_factory=lambda: (deque(maxlen=WINDOW), deque(maxlen=WINDOW))
-    )
+    rounds: tuple[Window, Window] = field(default_factory=lambda: (Window(WINDOW), Window(WINDOW)))
     chosen: int | None = None  # the part drafting this step (None: neither)
     model_off: bool = False  # the model cannot read this request's tokens: lookup only
 
@@ -91,10 +115,7 @@ class HybridProposer(Proposer):
         self.wants_hidden = model.wants_hidden
         self.choices: dict[str, _Choice] = {}
         self.drafted = [0, 0]  # verified rounds each part drafted (model, lookup), for reports and tests
-        self._recent: tuple[deque[tuple[int, int]], deque[tuple[int, int]]] = (
-            deque(maxlen=GLOBAL_WINDOW),
-            deque(maxlen=GLOBAL_WINDOW),
-        )
+        self.recent = (Window(GLOBAL_WINDOW), Window(GLOBAL_WINDOW))  # each part's rounds, all requests
         self._batch_size = 1
         self._model_cost: float | None = None  # seconds of one more model-drafted token (fastest recent)
         self._model_costs: deque[float] = deque(maxlen=9)
@@ -140,7 +161,7 @@ class HybridProposer(Proposer):
         over its window), smoothed towards the part's acceptance over all requests' recent
         rounds (itself smoothed towards PRIOR): a new request starts from what the part
         does on this worker's traffic, not from a guess."""
-        return _smoothed(self._choice(req).rounds[part], _smoothed(self._recent[part], PRIOR))
+        return self._choice(req).rounds[part].estimate(self.recent[part].estimate(PRIOR))
 
     def rate(self, req: Request, part: int, m: int) -> tuple[float, bool]:
         """Expected tokens per second of this step if ``part`` drafts ``m`` tokens for ``req``
@@ -212,8 +233,8 @@ class HybridProposer(Proposer):
         c = self._choice(req)
         chosen, c.chosen = c.chosen, None
         if chosen is not None:
-            c.rounds[chosen].append((k, accepted))
-            self._recent[chosen].append((k, accepted))
+            c.rounds[chosen].add(k, accepted)
+            self.recent[chosen].add(k, accepted)
             self.drafted[chosen] += 1
         if chosen == MODEL or (self.model.wants_hidden and not c.model_off):
             self.model.settle(req, num_tokens_before, k, accepted)
@@ -241,11 +262,3 @@ class HybridProposer(Proposer):
         self.check([])
         self.model.check_idle()
         self.lookup.check_idle()
-
-
-def _smoothed(rounds: deque[tuple[int, int]], prior: float) -> float:
-    """Per-token acceptance over ``rounds`` of (drafted, accepted): accepted / (accepted +
-    rejections), with PRIOR_WEIGHT pseudo-observations of ``prior``."""
-    accepted = sum(a for _, a in rounds)
-    rejected = sum(1 for k, a in rounds if a < k)
-    return (accepted + prior * PRIOR_WEIGHT) / (accepted + rejected + PRIOR_WEIGHT)
