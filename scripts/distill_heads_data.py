@@ -10,6 +10,13 @@ model runner and paged KV cache, batched, up to ``--max-new`` tokens: greedily f
 hidden state of every position the target computed (the LM head's input) is kept in
 float16.
 
+``--teacher-forced``: instead, written answers that install here (``head_prompts.text_answers``:
+standard-library source, module docstrings, package descriptions) are appended to their chat
+prompts and the target reads them in prefill passes only (an order of magnitude faster than
+generating): the features are the target's on text it did not write (EAGLE-1's recipe); the
+heads still learn the target's own next-token distribution, recomputed from those features.
+Shards ``<out>/text_NNN.pt``, same format.
+
 Output: shards ``<out>/shard_NNN.pt``, each ``{"tokens": int32 [sum L], "feats": float16
 [sum (L - 1), hidden], "lengths": [L...], "prompt_lengths": [P...], "kinds": [...]}`` (a
 sequence of L tokens has L - 1 features: the last token is never fed). Shards are written as
@@ -29,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from head_prompts import training_prompts  # noqa: E402
+from head_prompts import text_answers, training_prompts  # noqa: E402
 
 from draftwise.worker.core.block_manager import BlockManager  # noqa: E402
 from draftwise.worker.engine.intake import Intake  # noqa: E402
@@ -122,6 +129,66 @@ def generate(
     return [(toks[i], torch.cat(feats[i])[: len(toks[i]) - 1]) for i in range(n)]
 
 
+def teacher_forced(runner: ModelRunner, blocks: BlockManager, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """The target's features [L - 1, hidden] float16 for each whole sequence, read in prefill
+    passes of at most ``PREFILL_TOKENS`` tokens (a sequence is never split)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    order = list(range(len(seqs)))
+    while order:
+        group, used = [], 0
+        while order and (not group or used + len(seqs[order[0]]) <= PREFILL_TOKENS):
+            group.append(order.pop(0))
+            used += len(seqs[group[-1]])
+        tables: list[list[int]] = [[] for _ in group]
+        for t, i in zip(tables, group, strict=True):
+            if not blocks.grow(t, len(seqs[i])):
+                raise RuntimeError("KV pool too small")
+        _, hidden = runner.run_hidden([SequenceChunk(seqs[i], 0, t, 1) for t, i in zip(tables, group, strict=True)])
+        at = 0
+        for i in group:
+            out[i] = hidden[at : at + len(seqs[i]) - 1].to(torch.float16)
+            at += len(seqs[i])
+        for t in tables:
+            blocks.free(t)
+    return out
+
+
+def main_teacher_forced(
+    args: argparse.Namespace, folder: Path, loaded, runner: ModelRunner, blocks: BlockManager
+) -> None:
+    triples = text_answers(args.seed)[: args.count]
+    tok = load_tokenizer(folder)
+    intake = Intake(tok, folder, loaded.config.eos_token_ids, 8192, 1 << 30, 0)
+    seqs, prompt_lengths = [], []
+    for _, prompt, answer in triples:
+        r = intake.encode_chat(ChatPrompt.from_messages([{"role": "user", "content": prompt}]))
+        p = r.token_ids[-args.max_prompt :]
+        end = list(r.stop_token_ids[:1] or loaded.config.eos_token_ids[:1])
+        seqs.append(p + tok.encode(answer)[: args.max_new] + end)
+        prompt_lengths.append(len(p))
+    t0, made = time.perf_counter(), 0
+    for shard, lo in enumerate(range(0, len(seqs), args.batch)):
+        path = args.out / f"text_{shard:03d}.pt"
+        hi = min(lo + args.batch, len(seqs))
+        if path.exists():
+            continue
+        feats = teacher_forced(runner, blocks, seqs[lo:hi])
+        made += sum(len(seqs[i]) - prompt_lengths[i] for i in range(lo, hi))
+        torch.save(
+            {
+                "tokens": torch.tensor([t for s in seqs[lo:hi] for t in s], dtype=torch.int32),
+                "feats": torch.cat(feats),
+                "lengths": [len(s) for s in seqs[lo:hi]],
+                "prompt_lengths": prompt_lengths[lo:hi],
+                "kinds": [k for k, _, _ in triples[lo:hi]],
+                "temperatures": [0.0] * (hi - lo),
+            },
+            path,
+        )
+        el = time.perf_counter() - t0
+        print(f"text shard {shard}: {hi}/{len(seqs)} answers, {made} answer tokens, {made / el:.1f} tok/s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a model folder, .gguf file, alias, or 'default'")
@@ -133,17 +200,23 @@ def main() -> None:
     ap.add_argument("--sampled", type=float, default=0.4, help="share of prompts answered at temperature 0.7")
     ap.add_argument("--raw", action="store_true", help="feed prompts as plain text (no chat template)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--teacher-forced", action="store_true", help="read written answers in prefill passes instead of generating"
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     folder = resolve_model(args.model)
     pairs = training_prompts(args.count, args.seed)
     loaded = load_model(folder, dtype="float32")
-    ids, stops = encode(pairs, folder, loaded.config.eos_token_ids, args.raw, args.max_prompt)
     bs = 16
-    per_seq = -(-(args.max_prompt + args.max_new) // bs)
+    per_seq = -(-(args.max_prompt + args.max_new + 1) // bs)
     blocks = BlockManager(per_seq * args.batch + 1, bs)
     runner = ModelRunner(loaded, KVCache(loaded.config, per_seq * args.batch + 1, bs, loaded.dtype, loaded.device))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.teacher_forced:
+        main_teacher_forced(args, folder, loaded, runner, blocks)
+        return
+    ids, stops = encode(pairs, folder, loaded.config.eos_token_ids, args.raw, args.max_prompt)
     gen = torch.Generator().manual_seed(args.seed)
     temps = [0.7 if (i * 0.618) % 1 < args.sampled else 0.0 for i in range(len(ids))]
     t0, made = time.perf_counter(), 0

@@ -140,6 +140,61 @@ def arithmetic_prompts(rng: random.Random, n: int) -> list[str]:
     return sorted(out)
 
 
+TEXT_ASKS = {
+    "code": "Write a Python function `{name}{sig}` that does the following: {doc}",
+    "module": "Explain what the Python module `{name}` is for and how to use it.",
+    "package": "What is the Python package `{name}`, and how do I use it?",
+}
+MAX_ANSWER_CHARS = 2400
+
+
+def text_answers(seed: int = 0) -> list[tuple[str, str, str]]:
+    """(kind, prompt, answer) triples whose answers are written text that installs here, for
+    teacher-forced head data (``distill_heads_data.py --teacher-forced``): the source of
+    standard-library functions (≤ 3 x ``MAX_SOURCE_LINES`` lines) as the answer to "write a
+    function that ...", module docstrings as the answer to "explain module X", and installed
+    packages' descriptions (their README) as the answer to "what is package X"; shuffled,
+    answers cut at ``MAX_ANSWER_CHARS``; none containing an evaluation prompt."""
+    import importlib.metadata
+    import pkgutil
+
+    rng = random.Random(seed)
+    out: list[tuple[str, str, str]] = []
+    modules = sorted(set(CODE_MODULES) | {m.name for m in pkgutil.iter_modules() if m.name in sys.stdlib_module_names})
+    for modname in modules:
+        if modname.startswith("_") or modname in ("this", "antigravity", "idlelib", "tkinter", "turtle"):
+            continue
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:  # noqa: BLE001 - any module that does not import here is skipped
+            continue
+        if mod.__doc__ and len(mod.__doc__) > 300:
+            out.append(("module", TEXT_ASKS["module"].format(name=modname), mod.__doc__.strip()))
+        for name, fn in sorted(inspect.getmembers(mod, inspect.isfunction)):
+            if name.startswith("_") or getattr(fn, "__module__", None) != mod.__name__ or not fn.__doc__:
+                continue
+            try:
+                src = textwrap.dedent(inspect.getsource(fn)).rstrip()
+                sig = str(inspect.signature(fn))
+            except (OSError, TypeError, ValueError):
+                continue
+            if len(src.splitlines()) > 3 * MAX_SOURCE_LINES:
+                continue
+            ask = TEXT_ASKS["code"].format(name=name, sig=sig, doc=_first_sentence(fn.__doc__))
+            out.append(("code", ask, f"Here is the function:\n\n```python\n{src}\n```"))
+    seen = set()
+    for dist in importlib.metadata.distributions():
+        name, desc = dist.metadata.get("Name"), dist.metadata.get_payload() or dist.metadata.get("Description")  # type: ignore[attr-defined]
+        if not name or name.lower() in seen or not desc or len(desc) < 400:
+            continue
+        seen.add(name.lower())
+        out.append(("package", TEXT_ASKS["package"].format(name=name), desc.strip()))
+    held_out = [p for _, p in EVAL_PROMPTS]
+    out = [(k, p, a[:MAX_ANSWER_CHARS]) for k, p, a in out if not any(e in p or e in a for e in held_out)]
+    rng.shuffle(out)
+    return out
+
+
 def training_prompts(count: int, seed: int = 0) -> list[tuple[str, str]]:
     """``count`` (kind, prompt) pairs: about 45% code, 40% instructions, 15% arithmetic,
     shuffled; none equal to, or containing, an evaluation prompt."""

@@ -42,8 +42,9 @@ from draftwise.worker.paths import resolve_model
 from draftwise.worker.speculative.heads import EagleHead, MedusaHeads, head_model_config, save_head
 
 
-def load_data(folder: Path, shards: str = "shard_*.pt") -> list[dict]:
-    """Sequences: tokens [L] int64, feats [L - 1, H] float16, prompt length, temperature."""
+def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
+    """Sequences: tokens [L] int64, feats [L - 1, H] float16, prompt length, temperature; from
+    the generated shards (``shard_NNN.pt``) and then the teacher-forced ones (``text_NNN.pt``)."""
     seqs = []
     for path in sorted(folder.glob(shards)):
         d = torch.load(path)
@@ -51,6 +52,7 @@ def load_data(folder: Path, shards: str = "shard_*.pt") -> list[dict]:
         for n, p, temp in zip(d["lengths"], d["prompt_lengths"], d["temperatures"], strict=True):
             seqs.append(
                 {
+                    "source": "text" if path.name.startswith("text_") else "generated",
                     "tokens": d["tokens"][at_t : at_t + n].long(),
                     "feats": d["feats"][at_f : at_f + n - 1],
                     "prompt": p,
@@ -142,9 +144,10 @@ def eagle_loss(
     m = bt["mask"]
     t_logits = teacher.logits(bt["f"][m])
     t_top = t_logits.argmax(-1)
-    feats, total, accs = bt["prev"], 0.0, []
+    feats, total, accs, past = bt["prev"], 0.0, [], []
     for j in range(unroll):
-        g = head.train_forward(emb, feats, rope)
+        g, kv = head.train_pass(emb, feats, rope, past)
+        past.append(kv)
         lg = teacher.logits(g[m])
         loss = soft_ce(lg, t_logits).mean() + reg * F.smooth_l1_loss(g[m], bt["f"][m])
         total = total + 0.8**j * loss
@@ -199,9 +202,13 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         f"- {data['sequences']} training answers ({data['answer_tokens']} tokens), {data['held_out_sequences']} held out;",
         f"- source: {data['source']}: the target's own answers (self-distillation), greedy for 60% of prompts and",
         "  temperature 0.7 for the rest, with its final hidden state at every position;",
+        f"- of these, {data.get('teacher_forced_sequences', 0)} answers ({data.get('teacher_forced_answer_tokens', 0)} tokens) are written",
+        "  text the target read but did not write (`distill_heads_data.py --teacher-forced`: standard-library",
+        "  source, module docstrings, installed packages' descriptions); the teacher is still the target's own",
+        "  distribution at each position;",
         "- prompts: Python standard-library functions (explain, write, test, review), instruction templates over",
         "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded.",
-        f"- draft vocabulary: the {vocab['size']} most frequent answer tokens, covering {vocab['answer_token_coverage']:.1%} of them.",
+        f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them.",
         "",
         "## Recipe",
         "",
@@ -237,6 +244,9 @@ def main() -> None:
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--unroll", type=int, default=3)
+    ap.add_argument(
+        "--unroll-after", type=float, default=0.0, help="EAGLE: one pass until this share of the run, then --unroll"
+    )
     ap.add_argument("--reg", type=float, default=0.2)
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
@@ -255,7 +265,8 @@ def main() -> None:
     # distillation run still writing shards feeds training as it goes)
     val = crop(load_data(args.data, "shard_000.pt"), args.crop_prompt)
     train = crop(load_data(args.data)[len(val) :], args.crop_prompt)
-    draft_ids, coverage = draft_vocabulary(train, args.draft_vocab, cfg.vocab_size)
+    generated = [s for s in train if s["source"] == "generated"]  # the vocabulary of the target's own answers
+    draft_ids, coverage = draft_vocabulary(generated or train, args.draft_vocab, cfg.vocab_size)
     teacher = Teacher(target.model, draft_ids)
     module: EagleHead | MedusaHeads
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, 4096)
@@ -293,7 +304,7 @@ def main() -> None:
             per = []
             for bt in val_batches:
                 _, a = (
-                    eagle_loss(module, teacher, rope, bt, args.unroll, args.reg)
+                    eagle_loss(module, teacher, rope, bt, max(3, args.unroll), args.reg)
                     if isinstance(module, EagleHead)
                     else medusa_loss(module, teacher, bt)
                 )
@@ -304,7 +315,6 @@ def main() -> None:
     budget = args.minutes * 60
     t0 = time.perf_counter()
     steps_done, epoch, history = 0, 0, []
-    est_steps = None
     while epoch < args.max_epochs and time.perf_counter() - t0 < budget:
         if epoch:
             train = crop(load_data(args.data)[len(val) :], args.crop_prompt)
@@ -313,16 +323,15 @@ def main() -> None:
             el = time.perf_counter() - t0
             if el > budget:
                 break
-            if est_steps is None and steps_done == 20:
-                est_steps = int(budget / (el / 20))
-            frac = min(1.0, steps_done / est_steps) if est_steps else 0.0
+            frac = min(1.0, el / budget)
             for g in opt.param_groups:
                 g["lr"] = (
                     args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))) * min(1.0, (steps_done + 1) / 20)
                 )
             bt = pad_batch(b, cfg.hidden_size)
             if isinstance(module, EagleHead):
-                loss, accs = eagle_loss(module, teacher, rope, bt, args.unroll, args.reg)
+                unroll = 1 if frac < args.unroll_after else args.unroll
+                loss, accs = eagle_loss(module, teacher, rope, bt, unroll, args.reg)
             else:
                 loss, accs = medusa_loss(module, teacher, bt)
             opt.zero_grad()
@@ -350,10 +359,13 @@ def main() -> None:
         )
     val_accs = evaluate()
     n_train_tokens = sum(len(s["tokens"]) - s["prompt"] for s in train)
+    n_text = [s for s in train if s["source"] == "text"]
     training = {
         "data": {
             "sequences": len(train),
             "answer_tokens": n_train_tokens,
+            "teacher_forced_sequences": len(n_text),
+            "teacher_forced_answer_tokens": sum(len(s["tokens"]) - s["prompt"] for s in n_text),
             "held_out_sequences": len(val),
             "source": "scripts/head_prompts.py prompts answered by the target (scripts/distill_heads_data.py)",
         },

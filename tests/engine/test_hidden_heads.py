@@ -137,6 +137,22 @@ def test_train_forward_matches_the_paged_engine_path():
     got1 = prop._run([SequenceChunk(toks[:20].tolist(), 0, table, 0)], feats[:20])  # noqa: SLF001
     got2 = prop._run([SequenceChunk(toks[20:].tolist(), 20, table, 0)], feats[20:])  # noqa: SLF001
     torch.testing.assert_close(torch.cat([got1, got2]), want, atol=2e-4, rtol=2e-4)
+    # training-time test: pass j at position i is drafting position j at t = i - j + 1, which
+    # the engine computes over the real features up to t and its own drafts after it
+    emb = target.model._embed(toks)[None]  # noqa: SLF001
+    g1, kv1 = head.train_pass(emb, feats[None], rope, [])
+    shift = lambda g: torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # noqa: E731
+    g2, kv2 = head.train_pass(emb, shift(g1), rope, [kv1])
+    g3, _ = head.train_pass(emb, shift(g2), rope, [kv1, kv2])
+    for t in (5, 20, 33):
+        table = []
+        assert blocks.grow(table, t + 3)
+        real = prop._run([SequenceChunk(toks[: t + 1].tolist(), 0, table, 0)], feats[: t + 1])  # noqa: SLF001
+        d2 = prop._run([SequenceChunk([int(toks[t + 1])], t + 1, table, 0)], real[-1:])  # noqa: SLF001
+        d3 = prop._run([SequenceChunk([int(toks[t + 2])], t + 2, table, 0)], d2)  # noqa: SLF001
+        torch.testing.assert_close(d2[0], g2[0, t + 1], atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(d3[0], g3[0, t + 2], atol=2e-4, rtol=2e-4)
+        blocks.free(table)
 
 
 def test_a_head_for_another_target_is_refused_in_one_line(tmp_path):

@@ -153,6 +153,20 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:  # [B, T, hidden]: g at every position, causal within each row (positions 0..T-1)
         """The same computation as :meth:`forward` over whole padded sequences, with plain
         causal attention and differentiable ops (training; positions start at 0 in each row)."""
+        return self.train_pass(emb, feats, rope, [])[0]
+
+    def train_pass(
+        self,
+        emb: torch.Tensor,  # [B, T, hidden]: x_i
+        feats: torch.Tensor,  # [B, T, hidden]: this pass's feature before each position
+        rope: RotaryEmbedding,
+        past: list[tuple[torch.Tensor, torch.Tensor]],  # the earlier passes' (k, v), each [B, T, kv heads, d]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Pass ``j = len(past) + 1`` of training-time test (EAGLE-3): position ``i`` plays
+        drafting position ``j`` at ``t = i - j + 1``, so it sees what drafting would: pass 1's
+        keys (real features) at positions up to ``t`` and pass ``m``'s key at ``t + m - 1`` for
+        ``m = 2..j`` (its own at ``i``). Pass 1 is :meth:`train_forward`. Returns (g, this
+        pass's (k, v)) for the next pass."""
         cfg = self.config
         b, t, hd = emb.shape
         attn, mlp, layer = self.layer.self_attn, self.layer.mlp, self.layer
@@ -165,14 +179,26 @@ class EagleHead(nn.Module):
         k = apply_rope(qkv[..., nh * d : (nh + nkv) * d].reshape(b, t, nkv, d), cos, sin)
         v = qkv[..., (nh + nkv) * d :].reshape(b, t, nkv, d)
         rep = nh // nkv
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        mask = None
+        keys, values = k, v
+        if past:
+            j = len(past) + 1
+            keys = torch.cat([pk for pk, _ in past] + [k], dim=1)  # [B, j T, kv, d]
+            values = torch.cat([pv for _, pv in past] + [v], dim=1)
+            i = torch.arange(t, device=emb.device)[:, None]
+            p = torch.arange(t, device=emb.device)[None, :]
+            blocks = [p <= i - j + 1] + [p == i - j + m for m in range(2, j + 1)]
+            mask = torch.cat(blocks, dim=1)  # [T, j T]: True where position i may attend
+        keys, values = keys.repeat_interleave(rep, dim=2), values.repeat_interleave(rep, dim=2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+        )
         o = F.linear(o.transpose(1, 2).reshape(b, t, nh * d), attn.o_proj.weight, attn.o_proj.bias)
         r = x + o
         h = F.rms_norm(r, (hd,), layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
         gate, up = F.linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).split(mlp.intermediate, dim=-1)
         m = F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        return F.rms_norm(r + m, (hd,), self.norm.weight, cfg.rms_norm_eps)
+        return F.rms_norm(r + m, (hd,), self.norm.weight, cfg.rms_norm_eps), (k, v)
 
 
 class MedusaHeads(nn.Module):
