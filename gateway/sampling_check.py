@@ -66,7 +66,25 @@ def check_sampling(sp: pb.SamplingParams, spec: pb.SpeculationOptions | None = N
             "max_speculative_tokens",
             f"speculation.max_speculative_tokens must be >= 1, got {spec.max_speculative_tokens}",
         )
+    if spec is not None:
+        check_methods(spec)
     check_constraint(sp)
+
+
+SPECULATIVE_METHOD_NAMES = ("draft", "eagle", "medusa", "ngram", "suffix")
+"""Names a request's speculation.methods may hold (the worker's SamplingParams checks the same)."""
+
+
+def check_methods(spec: pb.SpeculationOptions) -> None:
+    """FieldError ``methods`` for an unknown name or more names than there are methods."""
+    if len(spec.methods) > len(SPECULATIVE_METHOD_NAMES):
+        raise FieldError("methods", f"speculation.methods holds at most {len(SPECULATIVE_METHOD_NAMES)} names")
+    for name in spec.methods:
+        if name not in SPECULATIVE_METHOD_NAMES:
+            raise FieldError(
+                "methods",
+                f"speculation.methods: unknown method {clip(name)!r}; known: {', '.join(SPECULATIVE_METHOD_NAMES)}",
+            )
 
 
 def check_constraint(sp: pb.SamplingParams) -> None:

@@ -13,11 +13,15 @@
   expected tokens per second decide, from each part's acceptance on that request (a new
   request's starting from the part's acceptance on all requests) and the model's measured cost,
   and neither drafts where the measured costs say it would not beat plain decoding;
+- a request's speculative_methods keep it to the named parts (none named that the engine runs:
+  plain decoding), outputs exact;
 - a proposal that fails fails its request alone, and the engine's blocks come back;
 - the configurations it refuses, in one line each.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -174,6 +178,45 @@ def test_a_failed_proposal_fails_its_request_alone_and_frees_its_blocks(agent, m
     assert [rid for rid in ref if rid != doomed and out[rid] != ref[rid]] == []
     engine.check_idle_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_request_drafts_only_with_the_methods_it_names(agent):
+    """speculative_methods keeps a request to the named parts of the hybrid; a method the engine
+    does not run leaves the request decoding plainly; outputs stay exact either way."""
+    reqs, ref = agent
+    names = [("suffix",), ("draft",), None, ("eagle",), ("suffix", "draft")]
+    named = [
+        (rid, prompt, dataclasses.replace(params, speculative_methods=names[i % len(names)]), at)
+        for i, (rid, prompt, params, at) in enumerate(reqs)
+    ]
+    engine = LLMEngine(
+        _config(num_kv_blocks=128, max_num_seqs=8, num_speculative_tokens=4, speculative_adaptive=False, **DRAFT_SUFFIX)
+    )
+    hybrid = _hybrid(engine)
+    drafted: dict[str, set[int]] = {}
+    settle = hybrid.settle
+
+    def watched(req, before, k, accepted):
+        chosen = hybrid.choices[req.request_id].chosen
+        if chosen is not None:
+            drafted.setdefault(req.request_id, set()).add(chosen)
+        return settle(req, before, k, accepted)
+
+    hybrid.settle = watched  # type: ignore[method-assign]
+    finals: dict = {}
+    out = run_together(named, engine, finals)
+    assert [rid for rid in ref if out[rid] != ref[rid]] == []
+    for i, (rid, *_) in enumerate(named):
+        allowed = {"suffix": LOOKUP, "draft": MODEL}
+        want = {allowed[n] for n in names[i % len(names)] or ("suffix", "draft") if n in allowed}
+        assert drafted.get(rid, set()) <= want, (rid, names[i % len(names)], drafted.get(rid))
+        if not want:  # a method the engine does not run: no speculation at all
+            assert finals[rid].outputs[0].spec is None, rid
+    by_name = {
+        n: set().union(*(drafted.get(r[0], set()) for i, r in enumerate(named) if names[i % 5] == n)) for n in names
+    }
+    assert by_name[("suffix",)] == {LOOKUP} and by_name[("draft",)] == {MODEL}  # each part did draft for its own
+    engine.check_idle_invariants()
 
 
 @pytest.mark.parametrize(

@@ -179,13 +179,17 @@ PROMPTS = BASES[:3]
 
 @pytest.fixture(scope="module")
 def draft_runs(draft_server: Serve) -> tuple[dict[str, Run], dict[str, float], dict[str, float]]:
-    """One stream: three speculating requests, one with speculation off, one capped at k = 1
-    and one with an invalid cap; the gateway's metrics before and after."""
+    """One stream: three speculating requests, one with speculation off, one capped at k = 1,
+    one with an invalid cap, one naming the draft model, one naming only methods the server
+    does not run and one naming an unknown method; the gateway's metrics before and after."""
     starts = [spec_start(f"s{i}", p) for i, p in enumerate(PROMPTS)]
     starts += [
         spec_start("off", PROMPTS[0], pb.SpeculationOptions(enabled=False)),
         spec_start("k1", PROMPTS[1], pb.SpeculationOptions(enabled=True, max_speculative_tokens=1)),
         spec_start("bad", PROMPTS[2], pb.SpeculationOptions(max_speculative_tokens=0)),
+        spec_start("only-draft", PROMPTS[2], pb.SpeculationOptions(methods=["draft"])),
+        spec_start("only-ngram", PROMPTS[0], pb.SpeculationOptions(methods=["ngram", "suffix"])),
+        spec_start("bad-method", PROMPTS[1], pb.SpeculationOptions(methods=["draft", "tree"])),
     ]
     before = draft_server.scrape()
     runs = stream(draft_server.address, starts)
@@ -203,6 +207,8 @@ def test_greedy_output_equals_plain_decoding(draft_server, draft_runs, reference
         assert r.token_ids == want, f"s{i}: speculation changed the greedy output"
     assert runs["off"].result.token_ids == ref[0]
     assert runs["k1"].result.token_ids == ref[1]
+    assert runs["only-draft"].result.token_ids == ref[2]
+    assert runs["only-ngram"].result.token_ids == ref[0]
 
 
 def test_list_models_reports_the_draft(draft_server, draft_runs):
@@ -349,8 +355,9 @@ def test_python_client_speculation_options_and_stats(draft_server, reference_llm
         on = list(client.generate(PROMPTS[0], ClientParams(**base)))
         capped = list(client.generate(PROMPTS[0], ClientParams(**base, max_speculative_tokens=1)))
         off = list(client.generate(PROMPTS[0], ClientParams(**base, speculation=False)))
+        unserved = list(client.generate(PROMPTS[0], ClientParams(**base, speculative_methods=("suffix",))))
     want = reference_tokens(reference_llm, PROMPTS[:1])[0]
-    for deltas in (on, capped, off):
+    for deltas in (on, capped, off, unserved):
         assert [t for d in deltas for t in d.token_ids] == want
     stats = [d.speculation for d in on if d.token_ids]
     assert all(st is not None for st in stats) and stats[-1].proposed_tokens > 0
@@ -358,6 +365,7 @@ def test_python_client_speculation_options_and_stats(draft_server, reference_llm
     last = [d.speculation for d in capped if d.speculation is not None][-1]
     assert 0 < last.proposed_tokens <= last.verify_steps  # k <= 1
     assert all(d.speculation is None for d in off) and off[-1].usage.speculative_proposed_tokens == 0
+    assert all(d.speculation is None for d in unserved)  # the server runs a draft model, not the suffix cache
 
 
 def test_counters_are_cumulative_and_match_usage(draft_runs):
@@ -384,6 +392,20 @@ def test_max_speculative_tokens_caps_k(draft_runs):
     assert last.proposed_tokens <= last.verify_steps  # at most one draft token per verification
 
 
+def test_speculation_methods_choose_the_proposers(draft_runs):
+    """methods naming the server's draft model speculate; naming only methods it does not run,
+    the request decodes plainly; an unknown name is INVALID_ARGUMENT naming the field."""
+    last = assert_cumulative(draft_runs[0]["only-draft"])
+    assert last.verify_steps >= 1 and last.proposed_tokens >= 1
+    plain = draft_runs[0]["only-ngram"]
+    assert plain.spec and all(s is None for s in plain.spec), "a request naming no served method got counters"
+    assert plain.usage.speculative_proposed_tokens == 0
+    bad = draft_runs[0]["bad-method"].result
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT, bad.final
+    assert "methods" in bad.final.error.message and "'tree'" in bad.final.error.message
+    assert not bad.token_ids
+
+
 def test_invalid_cap_is_invalid_argument(draft_runs):
     bad = draft_runs[0]["bad"].result
     assert bad.code == grpc.StatusCode.INVALID_ARGUMENT, bad.final
@@ -404,8 +426,9 @@ def test_gateway_metrics_count_speculation(draft_runs):
     assert grew("draftwise_spec_decode_proposed_tokens_total") == proposed
     assert grew("draftwise_spec_decode_accepted_tokens_total") == accepted
     # one acceptance-rate sample per request that speculated (not the one with speculation off)
-    assert grew("draftwise_spec_decode_acceptance_rate_count") == len(PROMPTS) + 1
-    assert grew('draftwise_requests_total{status="invalid_argument"}') == 1
+    # (and not the one naming only methods the server does not run)
+    assert grew("draftwise_spec_decode_acceptance_rate_count") == len(PROMPTS) + 2
+    assert grew('draftwise_requests_total{status="invalid_argument"}') == 2
 
 
 # --- n-gram prompt lookup -----------------------------------------------------------------

@@ -162,6 +162,11 @@ def test_speculation_options_map_onto_sampling_params():
     assert p.use_speculation and p.max_speculative_tokens == 2
     with pytest.raises(ValueError, match="max_speculative_tokens must be >= 1"):
         sampling_params_from_proto(plain, pb.SpeculationOptions(max_speculative_tokens=0))
+    p = sampling_params_from_proto(plain, pb.SpeculationOptions(methods=["suffix", "draft", "suffix"]))
+    assert p.speculative_methods == ("suffix", "draft")
+    assert sampling_params_from_proto(plain, pb.SpeculationOptions()).speculative_methods is None
+    with pytest.raises(ValueError, match="speculative_methods: unknown method 'tree'"):
+        sampling_params_from_proto(plain, pb.SpeculationOptions(methods=["tree"]))
 
 
 # --- structured output and tools (issue 27) ---------------------------------------------

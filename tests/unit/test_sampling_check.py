@@ -69,7 +69,10 @@ def test_the_gateway_refuses_what_the_worker_refuses() -> None:
                 sp.choice.CopyFrom(pb.ChoiceConstraint(options=v))
             else:
                 setattr(sp, name, v)
-        spec = pb.SpeculationOptions(max_speculative_tokens=rng.choice([0, 1, 4])) if rng.random() < 0.2 else None
+        spec = None
+        if rng.random() < 0.3:
+            methods = rng.choice([[], ["suffix"], ["draft", "ngram"], ["bogus"], ["eagle", ""], ["ngram"] * 6])
+            spec = pb.SpeculationOptions(max_speculative_tokens=rng.choice([0, 1, 4]), methods=methods)
         worker = _worker_refuses(sp, spec)
         try:
             check_sampling(sp, spec)

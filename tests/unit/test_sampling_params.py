@@ -104,6 +104,10 @@ INVALID: list[tuple[str, Any, dict[str, Any]]] = [
     ("max_speculative_tokens", 0, {}),
     ("max_speculative_tokens", 2.0, {}),
     ("max_speculative_tokens", True, {}),
+    ("speculative_methods", (), {}),
+    ("speculative_methods", "suffix", {}),
+    ("speculative_methods", ("suffix", "tree"), {}),
+    ("speculative_methods", (1,), {}),
     ("constraint", "json", {}),
     ("constraint", {"kind": "xml", "value": "a"}, {}),
     ("constraint", {"kind": "regex", "value": ""}, {}),
@@ -252,3 +256,10 @@ def test_dict_round_trip() -> None:
     assert SamplingParams.from_dict({}) == SamplingParams()
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_speculative_methods_keep_their_order_without_repeats_and_round_trip() -> None:
+    p = SamplingParams(speculative_methods=["suffix", "draft", "suffix"])
+    assert p.speculative_methods == ("suffix", "draft")
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert SamplingParams().speculative_methods is None

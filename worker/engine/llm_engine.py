@@ -185,7 +185,7 @@ class LLMEngine:
             raise
         req.seed = self.intake.seed_for(params)
         req.cache_salt = cache_salt
-        if self.spec is not None and params.use_speculation:
+        if self.spec is not None and params.use_speculation and self.spec.serves(params.speculative_methods):
             self.spec.add(req, params.max_speculative_tokens, continuation_spec)
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -16,6 +16,8 @@ from draftwise.worker.sampling.constraints import Constraint
 
 MAX_LOGPROBS = 20
 """Most top-n log-probabilities a request may ask for per token."""
+SPECULATIVE_METHOD_NAMES = ("draft", "eagle", "medusa", "ngram", "suffix")
+"""What ``speculative_methods`` may name (the engine's speculative_method / speculative_lookup values)."""
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures below this are greedy (argmax), as in vLLM."""
@@ -109,6 +111,11 @@ class SamplingParams:
     """Let the engine speculate for this request when it has a proposer (False: plain decoding)."""
     max_speculative_tokens: int | None = None
     """Cap on the tokens drafted per step for this request, >= 1; None: the engine's num_speculative_tokens."""
+    speculative_methods: tuple[str, ...] | None = None
+    """The proposers this request may draft with, by name ("draft", "eagle", "medusa", "ngram", "suffix": the
+    names of ``speculative_method`` / ``speculative_lookup``); None: every one the engine runs. A hybrid (say
+    draft+suffix) drafts with the named parts only; a name the engine does not run is left out, and with none
+    left the request decodes plainly (as ``use_speculation=True`` on an engine without a proposer)."""
     constraint: Constraint | None = None
     """What the output must match (a JSON schema, any JSON object, a regex, a grammar, a choice); None: free text.
     A dict in :meth:`Constraint.to_dict` form is accepted. Not with ignore_eos or min_tokens > 0 (the
@@ -169,6 +176,9 @@ class SamplingParams:
                 _check_int("max_speculative_tokens", self.max_speculative_tokens, ">= 1 (or None)", lambda v: v >= 1),
             )
 
+        if self.speculative_methods is not None:
+            set_(self, "speculative_methods", _check_methods(self.speculative_methods))
+
         if self.constraint is not None:
             set_(self, "constraint", Constraint.from_any(self.constraint))
             if self.ignore_eos:
@@ -228,3 +238,21 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         if not _is_int(t) or t < 0:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {_show(t)}")
     return tuple(int(t) for t in ids)
+
+
+def _check_methods(value: object) -> tuple[str, ...]:
+    """``speculative_methods`` as a tuple of distinct known names, in the given order."""
+    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+        raise ValueError(
+            f"speculative_methods must be a non-empty list of {', '.join(SPECULATIVE_METHOD_NAMES)} (or None), "
+            f"got {value!r}"
+        )
+    out: list[str] = []
+    for name in value:
+        if name not in SPECULATIVE_METHOD_NAMES:
+            raise ValueError(
+                f"speculative_methods: unknown method {name!r}; known: {', '.join(SPECULATIVE_METHOD_NAMES)}"
+            )
+        if name not in out:
+            out.append(name)
+    return tuple(out)

@@ -7,7 +7,7 @@ from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.worker.core.outputs import RequestDelta, SpecStats
 from draftwise.worker.sampling.constraints import Constraint
 from draftwise.worker.sampling.sampler import TokenLogprobs
-from draftwise.worker.sampling.sampling_params import SamplingParams
+from draftwise.worker.sampling.sampling_params import SPECULATIVE_METHOD_NAMES, SamplingParams
 from draftwise.worker.text.chat import ChatMessage, ChatPrompt
 from draftwise.worker.text.chat_tools import ToolCall, tools_from_json
 
@@ -16,7 +16,7 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "ab
 
 def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptions | None = None) -> SamplingParams:
     """Unset optional fields take vLLM's defaults; ``spec`` (the request's speculation
-    options) sets use_speculation and max_speculative_tokens. ValueError (naming the field)
+    options) sets use_speculation, max_speculative_tokens and speculative_methods. ValueError (naming the field)
     when invalid."""
     kw: dict = {
         "top_k": msg.top_k,
@@ -42,6 +42,10 @@ def sampling_params_from_proto(msg: pb.SamplingParams, spec: pb.SpeculationOptio
             if spec.max_speculative_tokens < 1:
                 raise ValueError(f"speculation.max_speculative_tokens must be >= 1, got {spec.max_speculative_tokens}")
             kw["max_speculative_tokens"] = spec.max_speculative_tokens
+        if len(spec.methods) > len(SPECULATIVE_METHOD_NAMES):
+            raise ValueError(f"speculation.methods holds at most {len(SPECULATIVE_METHOD_NAMES)} names")
+        if spec.methods:
+            kw["speculative_methods"] = tuple(spec.methods)
     return SamplingParams(**kw)
 
 

@@ -144,6 +144,11 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ requests
 
+    def serves(self, methods: Sequence[str] | None) -> bool:
+        """Whether a request that may draft with ``methods`` (None: any) speculates here: one of
+        them is this proposer or a part of its hybrid (the hybrid keeps to the named parts)."""
+        return methods is None or any(m in self.method.split("+") for m in methods)
+
     def add(self, req: Request, cap: int | None, earlier: SpecStats | None = None) -> None:
         """Speculate for ``req`` (at most ``cap`` tokens a step; None: the policy's max), its
         counters starting from ``earlier`` (a continuation's)."""

@@ -97,7 +97,8 @@ class _Choice:
 
     rounds: tuple[Window, Window] = field(default_factory=lambda: (Window(WINDOW), Window(WINDOW)))
     chosen: int | None = None  # the part drafting this step (None: neither)
-    model_off: bool = False  # the model cannot read this request's tokens: lookup only
+    model_off: bool = False  # the model cannot read this request's tokens, or the request named the lookup only
+    lookup_off: bool = False  # the request named the model only
 
 
 class HybridProposer(Proposer):
@@ -126,8 +127,11 @@ class HybridProposer(Proposer):
 
     def _choice(self, req: Request) -> _Choice:
         c = self.choices.get(req.request_id)
-        if c is None:
+        if c is None:  # the request's speculative_methods keep it to the parts it names
+            names = req.sampling_params.speculative_methods
             c = self.choices[req.request_id] = _Choice()
+            c.model_off = names is not None and self.model.name not in names
+            c.lookup_off = names is not None and self.lookup.name not in names
         return c
 
     # ------------------------------------------------------------------ reading
@@ -185,7 +189,7 @@ class HybridProposer(Proposer):
         priced at the model's cost, does not cap it); the model offers ``k`` unless it is
         behind; the better rate wins, if it beats plain decoding (once the times are measured)."""
         c = self._choice(req)
-        m_lookup = self.lookup.plan(req, ceiling) if ceiling > 0 else 0
+        m_lookup = self.lookup.plan(req, ceiling) if ceiling > 0 and not c.lookup_off else 0
         m_model = 0 if c.model_off or behind or k == 0 else self.model.plan(req, k)
         offers = [(*self.rate(req, part, m), part, m) for part, m in ((LOOKUP, m_lookup), (MODEL, m_model)) if m]
         # on equal rates the lookup wins (LOOKUP > MODEL): it costs no drafting

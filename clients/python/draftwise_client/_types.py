@@ -41,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     speculation: bool | None = None  # False: no speculative decoding for this request; None: the server's choice
     max_speculative_tokens: int | None = None  # cap on the tokens drafted per step (>= 1)
+    speculative_methods: tuple[str, ...] | None = None  # draft with these proposers only ("draft", "suffix", ...)
     constraint: Constraint | None = None  # structured output: what the output must match (see Constraint)
 
     def to_proto(self) -> pb.SamplingParams:
@@ -67,13 +68,14 @@ class SamplingParams:
 
     def speculation_proto(self) -> pb.SpeculationOptions | None:
         """The request's SpeculationOptions, None when it leaves speculation to the server."""
-        if self.speculation is None and self.max_speculative_tokens is None:
+        if self.speculation is None and self.max_speculative_tokens is None and not self.speculative_methods:
             return None
         msg = pb.SpeculationOptions()
         if self.speculation is not None:
             msg.enabled = self.speculation
         if self.max_speculative_tokens is not None:
             msg.max_speculative_tokens = self.max_speculative_tokens
+        msg.methods.extend(self.speculative_methods or ())
         return msg
 
 

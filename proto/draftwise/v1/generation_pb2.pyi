@@ -71,12 +71,14 @@ class ChoiceConstraint(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("enabled", "max_speculative_tokens")
+    __slots__ = ("enabled", "max_speculative_tokens", "methods")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     max_speculative_tokens: int
-    def __init__(self, enabled: _Optional[bool] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
+    methods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, enabled: _Optional[bool] = ..., max_speculative_tokens: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
