@@ -291,6 +291,9 @@ def main() -> None:
         saved = load_file(str(args.init / "head.safetensors"))
         draft_ids = saved.pop("draft_ids").long()
         teacher = Teacher(target.model, draft_ids)
+        args.draft_vocab = int(draft_ids.numel())  # the card records the vocabulary in use and its coverage
+        counts = sum(torch.bincount(s["tokens"][s["prompt"] :], minlength=cfg.vocab_size) for s in generated or train)
+        coverage = float(counts[draft_ids].sum() / counts.sum())  # type: ignore[union-attr]
         module.load_state_dict({k: v.float() for k, v in saved.items()})
     for p in module.parameters():
         p.requires_grad_(True)
