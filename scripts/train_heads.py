@@ -76,12 +76,16 @@ def crop(seqs: list[dict], keep: int | None) -> list[dict]:
     return out
 
 
-def draft_vocabulary(seqs: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, float]:
+def answer_counts(seqs: list[dict], vocab: int) -> torch.Tensor:
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in seqs:
         counts += torch.bincount(s["tokens"][s["prompt"] :], minlength=vocab)
-    size = min(size, vocab)
-    top = counts.topk(size).indices.sort().values
+    return counts
+
+
+def draft_vocabulary(seqs: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, float]:
+    counts = answer_counts(seqs, vocab)
+    top = counts.topk(min(size, vocab)).indices.sort().values
     return top, float(counts[top].sum() / counts.sum())
 
 
@@ -292,8 +296,8 @@ def main() -> None:
         draft_ids = saved.pop("draft_ids").long()
         teacher = Teacher(target.model, draft_ids)
         args.draft_vocab = int(draft_ids.numel())  # the card records the vocabulary in use and its coverage
-        counts = sum(torch.bincount(s["tokens"][s["prompt"] :], minlength=cfg.vocab_size) for s in generated or train)
-        coverage = float(counts[draft_ids].sum() / counts.sum())  # type: ignore[union-attr]
+        counts = answer_counts(generated or train, cfg.vocab_size)
+        coverage = float(counts[draft_ids].sum() / counts.sum())
         module.load_state_dict({k: v.float() for k, v in saved.items()})
     for p in module.parameters():
         p.requires_grad_(True)

@@ -121,3 +121,12 @@ def test_a_bad_constraint_names_its_field(params: dict, param: str) -> None:
     with pytest.raises(FieldError) as e:
         check_sampling(pb.SamplingParams(**params))
     assert e.value.param == param and param in e.value.message
+
+
+def test_the_gateway_knows_the_workers_method_names() -> None:
+    from draftwise.gateway.sampling_check import SPECULATIVE_METHOD_NAMES as gateway_names
+    from draftwise.worker.core.config import LOOKUP_METHODS, SPECULATIVE_METHODS
+    from draftwise.worker.sampling.sampling_params import SPECULATIVE_METHOD_NAMES as worker_names
+
+    assert gateway_names == worker_names
+    assert set(worker_names) == set(SPECULATIVE_METHODS) | set(LOOKUP_METHODS)
