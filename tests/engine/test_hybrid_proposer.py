@@ -50,6 +50,25 @@ def _hybrid(engine: LLMEngine) -> HybridProposer:
     return proposer
 
 
+def _steady_costs(engine: LLMEngine, hybrid: HybridProposer) -> None:
+    """Step times from a fixed cost curve instead of the clock (a target step 10 ms plus 0.5 ms
+    a token, a model-drafted token 0.2 ms plus 0.05 ms a request): which part drafts, and so which
+    drafts are rejected, must not hang on how fast the machine running the test is."""
+    spec = engine.spec
+    assert spec is not None
+    costs = spec.policy.costs
+    spec.record_target_step = lambda n, _seconds: costs.record_target(n, 0.010 + 0.0005 * n)  # type: ignore[method-assign]
+    propose = hybrid.model.propose
+
+    def steady(reqs, ks):
+        prop = propose(reqs, ks)
+        if prop.step_seconds is None:
+            return prop
+        return dataclasses.replace(prop, step_seconds=0.0002 + 0.00005 * prop.step_batch)
+
+    hybrid.model.propose = steady  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize(
     ("spec", "adaptive"), [(DRAFT_SUFFIX, False), (DRAFT_SUFFIX, True), (MEDUSA_NGRAM, False)], ids=str
 )
@@ -67,6 +86,7 @@ def test_greedy_is_exact_batched_with_chunked_prefill_and_preemption(agent, spec
         )
     )
     hybrid = _hybrid(engine)
+    _steady_costs(engine, hybrid)
     behind_and_drafting = []
     plan = engine.spec.plan  # type: ignore[union-attr]
 
