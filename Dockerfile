@@ -45,6 +45,9 @@ CMD ["draftwise", "gateway"]
 FROM base AS worker
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# g++: the CPU products' kernel is compiled on a worker's first start (worker/model/cpu_matmul.py; without
+# a compiler the worker runs torch's products, slower)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels

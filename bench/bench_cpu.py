@@ -1,8 +1,9 @@
 """The real-model CPU path against llama.cpp on the same GGUF files, each ratio measured in one run:
 
-0. ``products``: the model's weight products alone for 1-64 rows: float32 (the engine's column
-   blocks), fp16 (fbgemm), and torch's CPU kernels not offered (weight-only int8 and int4,
-   fbgemm's dynamic int8, with its accuracy against float32).
+0. ``products``: the model's weight products alone for 1-64 rows: float32 and fp16 by this
+   package's kernel (``worker/model/cpu_matmul.py``) and by torch's (column blocks, fbgemm:
+   what runs with ``DRAFTWISE_CPU_KERNELS=0``), and torch's CPU kernels not offered (weight-only
+   int8 and int4, fbgemm's dynamic int8, with its accuracy against float32).
 1. ``decode``: batch-1 decode tokens/s, in-process (``LLM.generate``) for float32 and float16
    weights (``--quantization fp16``), against ``llama-bench`` (tg) on the F32, F16, Q8_0 and
    Q4_1 files, and against the memory roofline (bytes a step streams / read bandwidth).
@@ -267,18 +268,31 @@ class DynamicInt8:
 
 
 def products(path: Path, threads: int) -> dict:
-    """Per row count: ms of the model's products for float32 (the engine's column blocks), fp16
-    (fbgemm), and torch's other CPU kernels: weight-only int8 and int4, fbgemm's dynamic int8."""
+    """Per row count: ms of the model's products for float32 and fp16 by this package's kernel and
+    by torch's (column blocks, fbgemm), and torch's other CPU kernels: weight-only int8 and int4,
+    fbgemm's dynamic int8."""
+    from draftwise.worker.model import cpu_matmul
     from draftwise.worker.model.loader import load_model
 
     torch.set_num_threads(threads)
     out: dict = {}
+    if cpu_matmul.kernel() is None:
+        raise SystemExit(f"the CPU kernel does not run here: {cpu_matmul.unavailable_reason()}")
     layers = load_model(path).model.linears()
+    ours16 = load_model(path, quantization="fp16").model.linears()
+    os.environ[cpu_matmul.ENV] = "0"  # laid out and packed for torch's products (read at load time)
+    try:
+        blocks = load_model(path).model.linears()
+        fbgemm = load_model(path, quantization="fp16").model.linears()
+    finally:
+        del os.environ[cpu_matmul.ENV]
     dense = [m.dense_weight() for m in layers]
     widths = [w.shape[1] for w in dense]
     kernels: dict[str, list] = {
-        "float32 (column blocks)": [m.product for m in layers],
-        "fp16 (fbgemm)": [m.product for m in load_model(path, quantization="fp16").model.linears()],
+        "float32 (draftwise kernel)": [m.product for m in layers],
+        "float32 (torch, column blocks)": [m.product for m in blocks],
+        "fp16 (draftwise kernel)": [m.product for m in ours16],
+        "fp16 (fbgemm)": [m.product for m in fbgemm],
         "int8 dynamic (fbgemm, activations 7-bit)": [DynamicInt8(w).matmul for w in dense],
     }
     pack8 = [((w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8), w.abs().amax(1) / 127) for w in dense]
@@ -297,7 +311,7 @@ def products(path: Path, threads: int) -> dict:
     kernels["int4 weight-only (torch._weight_int4pack_mm_for_cpu)"] = [
         lambda x, p=p, z=z: torch._weight_int4pack_mm_for_cpu(x, p, 32, z) for p, z in pack4
     ]
-    for rows in (1, 2, 4, 8, 16, 64):
+    for rows in (1, 2, 3, 4, 5, 8, 16, 64):
         out[str(rows)] = {name: 1e3 * _products(fns, widths, rows) for name, fns in kernels.items()}
         print(rows, out[str(rows)], flush=True)
     return out

@@ -50,13 +50,19 @@ from benchlib import (  # noqa: E402
 from draftwise.worker import LLM, SamplingParams, default_model_path  # noqa: E402
 from draftwise.worker.model.kv_cache import KVCache  # noqa: E402
 from draftwise.worker.model.llama import Linear  # noqa: E402
-from draftwise.worker.model.loader import load_model  # noqa: E402
+from draftwise.worker.model.loader import cpu_products, load_model  # noqa: E402
 from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 from draftwise.worker.paths import resolve_model  # noqa: E402
 
 NEW_TOKENS = 256
 GROUPS = {
-    "weight products": ("aten::mm", "aten::addmm", "aten::bmm"),
+    "weight products": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "draftwise::cpu_matmul",
+        "quantized::linear_dynamic_fp16",
+    ),
     "attention": ("aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu"),
 }
 
@@ -175,6 +181,7 @@ def main() -> None:
     target = LLM(model=args.model, dtype="float32")
     prompt = heldout_prompts(target.get_tokenizer(), 1, (64, 64), seed=0)[0]
     r["engine"] = profile_engine(target, prompt)
+    r["cpu_products"] = cpu_products(target.engine.loaded.model)
     r["target_weights"] = weight_stream(target.engine.loaded.model)
     del target
     if default:
@@ -250,7 +257,8 @@ def render(r: dict) -> str:
     lines += [
         "",
         f"Read bandwidth: {r['read_gb_s_1_thread']:.1f} GB/s with one thread, {r['read_gb_s_all_threads']:.1f} GB/s "
-        "with all. BLAS runs a one-row product on one thread; the model's column-block layout (docs/models.md) runs one block per thread.",
+        "with all. Products: " + r.get("cpu_products", "torch (column blocks)") + " (docs/models.md, \"The CPU kernel\"; "
+        "`DRAFTWISE_CPU_KERNELS=0` measures torch's).",
     ]
     return "\n".join(lines)
 

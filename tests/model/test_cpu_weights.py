@@ -25,6 +25,7 @@ from draftwise.worker import default_model_path
 from draftwise.worker.core.config import QUANTIZATIONS as CONFIG_QUANTIZATIONS
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
+from draftwise.worker.model import cpu_matmul
 from draftwise.worker.model.cpu_weights import QUANTIZATIONS, PackedWeight
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.llama import Linear
@@ -185,19 +186,37 @@ def _weight_copies(engine: LLMEngine) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("mode", [None, "fp16"])
-def test_a_decode_step_converts_no_weight_and_runs_on_the_configured_threads(mode):
+@pytest.mark.parametrize("kernels", ["draftwise", "torch"])
+def test_a_decode_step_converts_no_weight_and_runs_on_the_configured_threads(mode, kernels, monkeypatch):
+    """Every projection and the LM head: one product a step, by this package's CPU kernel
+    (cpu_matmul; it builds on this machine) or, with DRAFTWISE_CPU_KERNELS=0, by torch's."""
+    if kernels == "torch":
+        monkeypatch.setenv(cpu_matmul.ENV, "0")
+    else:
+        assert cpu_matmul.kernel() is not None, cpu_matmul.unavailable_reason()
+    calls = []
+    matmul = cpu_matmul.matmul
+    monkeypatch.setattr(cpu_matmul, "matmul", lambda x, panels: calls.append(panels.shape) or matmul(x, panels))
     threads = torch.get_num_threads()
     engine = LLMEngine(_config(num_kv_blocks=32, quantization=mode))
     model = engine.loaded.model
+    calls.clear()
     copies, events = _weight_copies(engine)
     assert torch.get_num_threads() == threads
     assert not copies, [(e.name, e.input_shapes) for e in copies[:5]]
     products = len(model.linears())  # every projection and the LM head, one product each
-    if mode == "fp16":
-        assert sum(e.name == "quantized::linear_dynamic_fp16" for e in events) == products
+    torch_products = sum(e.name in ("aten::bmm", "aten::mm", "aten::addmm") for e in events)
+    fbgemm_products = sum(e.name == "quantized::linear_dynamic_fp16" for e in events)
+    steps = 3 + 4  # _step_ops runs the warm-up request's 3 steps and the profiled request's 4
+    if kernels == "draftwise":
+        assert all(m.panels or m.packed is not None for m in model.linears())
+        assert len(calls) == products * steps, (len(calls), products)
+        assert torch_products == 0 and fbgemm_products == 0
+    elif mode == "fp16":
+        assert not calls and fbgemm_products == products
     else:
         # column blocks (one batched product each) with several threads, [in, out] (one product each) with one
-        assert sum(e.name in ("aten::bmm", "aten::mm", "aten::addmm") for e in events) == products
+        assert not calls and torch_products == products
         assert not any(e.name.startswith("quantized::") for e in events)
 
 

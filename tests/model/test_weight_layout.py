@@ -1,5 +1,6 @@
-"""On CPU the model lays each projection's weight out for its threads (``[in, out]`` for one,
-column blocks multiplied as one batched product for several): the checkpoint's values, the
+"""On CPU the model lays each projection's weight out for the CPU kernel (panels of 16 columns,
+worker/model/cpu_matmul.py) or, without it, for torch's products on its threads (``[in, out]``
+for one, column blocks multiplied as one batched product for several): the checkpoint's values, the
 same logits within float32 rounding (against the exact float64 values, ``tests/numerics.py``), the same greedy tokens, whichever layout and however many
 rows; and a row decoded alone gives what it gives in a batch."""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from draftwise.worker import default_model_path
+from draftwise.worker.model import cpu_matmul
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.llama import Linear
 from draftwise.worker.model.loader import load_model
@@ -73,13 +75,24 @@ def _target(parts: int | None):
     return loaded
 
 
-def test_cpu_load_lays_weights_out_for_the_threads() -> None:
+@pytest.mark.parametrize("kernels", ["draftwise", "torch"])
+def test_cpu_load_lays_weights_out_for_the_threads(kernels: str, monkeypatch) -> None:
+    """The CPU kernel's panels where it runs (it does on this machine); with
+    DRAFTWISE_CPU_KERNELS=0, torch's layouts for the thread count."""
+    if kernels == "torch":
+        monkeypatch.setenv(cpu_matmul.ENV, "0")
+    else:
+        assert cpu_matmul.kernel() is not None, cpu_matmul.unavailable_reason()
     threads = torch.get_num_threads()
     model = load_model(default_model_path("target"), dtype="float32").model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears, "the model has projections"
     for m in linears:
-        if threads == 1:
+        if kernels == "draftwise":
+            panel = cpu_matmul.PANEL
+            assert m.panels and m.weight.shape == (m.out_features // panel, panel, m.in_features)
+            assert m.weight.transpose(1, 2).is_contiguous()
+        elif threads == 1:
             assert m.weight.dim() == 2 and m.weight.t().is_contiguous()
         else:
             assert m.weight.shape == (threads, m.out_features // threads, m.in_features)
@@ -98,7 +111,8 @@ def test_cpu_load_lays_weights_out_for_the_threads() -> None:
     assert len(storages) == len(list(model.parameters()))
 
 
-def test_blocks_divide_the_columns_and_are_not_too_narrow() -> None:
+def test_blocks_divide_the_columns_and_are_not_too_narrow(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_matmul.ENV, "0")  # torch's column blocks
     for out, parts, want in [
         (256, 2, 2),
         (256, 3, 2),
@@ -115,10 +129,22 @@ def test_blocks_divide_the_columns_and_are_not_too_narrow() -> None:
         assert got == want, (out, parts, got)
         x = torch.randn(3, 8)
         _assert_linear_exact(m, x, (out, parts))
+    monkeypatch.delenv(cpu_matmul.ENV)  # the kernel's panels: whole panels of 16 columns, any parts
+    for out, parts, want in [(256, 1, 16), (256, 3, 16), (96, 2, 6), (10, 2, 1), (40, 2, 1)]:
+        m = Linear(8, out, bias=False)
+        m.set_cpu_layout(parts)
+        got = 1 if m.weight.dim() == 2 else m.weight.shape[0]
+        assert got == want and m.panels == (want > 1), (out, parts, got)
+        _assert_linear_exact(m, torch.randn(3, 8), (out, parts))
 
 
-@pytest.mark.parametrize("parts", [None, 1, 2, 3, 4])
-def test_every_layout_holds_the_checkpoint_values(parts: int | None) -> None:
+@pytest.mark.parametrize(
+    ("parts", "kernels"),
+    [(None, "torch")] + [(p, k) for p in (1, 2, 3, 4) for k in ("draftwise", "torch")],  # None: the checkpoint's
+)
+def test_every_layout_holds_the_checkpoint_values(parts: int | None, kernels: str, monkeypatch) -> None:
+    if kernels == "torch":
+        monkeypatch.setenv(cpu_matmul.ENV, "0")
     ref = _target(None).model
     model = _target(parts).model
     for (name, a), (_, b) in zip(ref.named_modules(), model.named_modules(), strict=True):

@@ -1,11 +1,12 @@
-"""Lower-precision weights on CPU: a projection's weight packed once at load time for
-fbgemm, PyTorch's x86 inference GEMM library, and multiplied with float32 activations.
+"""Lower-precision weights on CPU: a projection's weight packed once at load time and
+multiplied with float32 activations.
 One mode so far:
 
-``fp16``: the weight rounded to float16 (half the bytes of float32) and multiplied by
-``torch.ops.quantized.linear_dynamic_fp16``: fbgemm converts the packed float16 panels to
-float32 in registers and accumulates in float32, so only the weight's rounding differs from
-the float32 path (relative 2^-11 per weight).
+``fp16``: the weight rounded to float16 (half the bytes of float32) and multiplied by this
+package's kernel (``cpu_matmul``: float16 panels converted to float32 in registers) where it
+runs, else by ``torch.ops.quantized.linear_dynamic_fp16`` (fbgemm does the same with its own
+packing); both accumulate in float32, so only the weight's rounding differs from the float32
+path (relative 2^-11 per weight).
 
 On this project's 2-core AVX2 machine it beats every float32 kernel torch has, most where a
 step multiplies a few rows at once (a verify pass of drafted tokens): docs/benchmarks.md,
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from draftwise.worker.model import cpu_matmul
 
 QUANTIZATIONS = ("fp16",)
 
@@ -53,13 +56,23 @@ class PackedWeight:
         self.out_features = w.shape[0]
         self.numel = w.numel()
         self.nbytes = w.numel() * 2
-        self._packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+        # this package's kernel where it runs (float16 panels, converted in registers), else fbgemm
+        self._panels = cpu_matmul.pack(w, torch.float16) if cpu_matmul.packs(self.out_features) else None
+        self._packed = None if self._panels is not None else torch.ops.quantized.linear_prepack_fp16(w, None)
+
+    @property
+    def kernel(self) -> str:
+        return "fbgemm" if self._panels is None else "draftwise"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
+        if self._panels is not None:
+            return cpu_matmul.matmul(x, self._panels)
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
 
     def dense(self) -> torch.Tensor:  # [out, in] float32: the values the products use
+        if self._panels is not None:
+            return cpu_matmul.unpack(self._panels)
         w: Any = torch.ops.quantized.linear_unpack_fp16(self._packed)[0]
         return w.to(torch.float32)

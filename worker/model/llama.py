@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
+from draftwise.worker.model import cpu_matmul
 from draftwise.worker.model.cpu_weights import PackedWeight
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
@@ -35,6 +36,7 @@ class Linear(nn.Linear):
     checkpoint's values unless packed (then it is empty and ``packed`` holds them)."""
 
     packed: PackedWeight | None = None
+    panels: bool = False  # the weight is stored as the CPU kernel's panels (cpu_matmul)
 
     def set_cpu_layout(self, parts: int | None) -> None:
         """Lay the weight out for ``parts`` threads (None: the checkpoint's ``[out, in]``).
@@ -49,9 +51,18 @@ class Linear(nn.Linear):
         up to ~5% slower on 2,048-row prompt chunks (docs/benchmarks.md, "CPU weight layout").
         Measured with 2 threads only; the cap keeps many-core machines from splitting a
         product into thin blocks. ``weight`` stays an ``[out, in]`` tensor (a view of the blocks for ``p = 1``, a
-        ``[p, out / p, in]`` view for ``p > 1``; :meth:`dense_weight` gives it 2-D)."""
+        ``[p, out / p, in]`` view for ``p > 1``; :meth:`dense_weight` gives it 2-D).
+
+        Where this package's CPU kernel runs (``cpu_matmul``: AVX2, a compiler, the output
+        width a multiple of its panel), any ``parts`` lays the weight out as its panels
+        instead: column blocks of ``cpu_matmul.PANEL`` (the same ``[P, PANEL, in]`` view), which
+        the kernel multiplies with every thread, 1-8 rows at about the cost of one."""
         w = self.dense_weight()
         out_features, in_features = w.shape
+        self.panels = parts is not None and w.dtype == torch.float32 and cpu_matmul.packs(out_features)
+        if self.panels:
+            self.weight = nn.Parameter(cpu_matmul.pack(w).transpose(1, 2), requires_grad=False)
+            return
         if parts is not None:  # the most blocks up to ``parts`` that divide the columns evenly, none too narrow
             parts = next(
                 p
@@ -92,6 +103,8 @@ class Linear(nn.Linear):
         w = self.weight
         if w.dim() == 2:
             return F.linear(x, w)
+        if self.panels and not (x.requires_grad or w.requires_grad) and cpu_matmul.kernel() is not None:
+            return cpu_matmul.matmul(x, w.transpose(1, 2))  # (training multiplies the same blocks with torch)
         parts, block, _ = w.shape
         y = torch.bmm(x.expand(parts, *x.shape), w.transpose(1, 2))  # [p, T, out / p]
         return y.transpose(0, 1).reshape(x.shape[0], parts * block)

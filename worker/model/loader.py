@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from draftwise.worker.model import cpu_matmul
 from draftwise.worker.model.cpu_weights import check_supported
 from draftwise.worker.model.gguf import gguf_config, is_gguf_path, iter_gguf_tensors, open_gguf
 from draftwise.worker.model.llama import Collectives, Linear, LlamaModel
@@ -232,6 +233,7 @@ def load_model(
         quantization=quantization,
         device=str(device),
         params_m=round(param_count / 1e6, 2),
+        cpu_products=cpu_products(model) if device.type == "cpu" else None,
     )
     return LoadedModel(
         model=model,
@@ -310,3 +312,14 @@ def _iter_tensors(
         for key, f in weight_map.items():
             if key in wanted and key not in seen:
                 raise ModelLoadError(f"{f}: tensor {key!r} listed in model.safetensors.index.json is not in this shard")
+
+
+def cpu_products(model: LlamaModel) -> str:
+    """Which kernel multiplies the weights on CPU: this package's (``cpu_matmul``) for how many
+    of the projections, or torch's and why."""
+    linears = model.linears()
+    ours = sum(m.panels or (m.packed is not None and m.packed.kernel == "draftwise") for m in linears)
+    if ours == len(linears):
+        return "draftwise kernel"
+    reason = cpu_matmul.unavailable_reason()
+    return f"draftwise kernel for {ours} of {len(linears)}" if reason is None else f"torch ({reason})"

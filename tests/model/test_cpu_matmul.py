@@ -1,0 +1,170 @@
+"""The CPU weight-streaming kernel (worker/model/cpu_matmul.py, cpu_matmul.cpp):
+
+- it builds and loads on this machine (x86-64 with AVX2/FMA/F16C and g++: CI's kind), on
+  PyTorch's own OpenMP runtime (one libgomp in the process);
+- float32 and float16 panels against a float64 reference, for every row count through
+  several passes of the kernel's rows (1-20, 64) and odd input widths;
+- a row's result does not depend on the rows beside it or on the thread count (bitwise):
+  a verify pass over k + 1 rows gives each row what a one-row step would;
+- pack / unpack round-trip, and the shapes it refuses;
+- DRAFTWISE_CPU_KERNELS=0, a missing compiler and a failing compile each leave the kernel
+  out with a reason, and the model's products fall back to torch's with the same results;
+- the compiled library is cached: a second build reuses the file.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftwise.worker.model import cpu_matmul
+from draftwise.worker.model.llama import Linear
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+def test_the_kernel_builds_here_on_torchs_openmp_runtime():
+    assert cpu_matmul.kernel() is not None, cpu_matmul.unavailable_reason()
+    assert cpu_matmul.unavailable_reason() is None
+    code = (
+        "import torch; from draftwise.worker.model import cpu_matmul; assert cpu_matmul.kernel() is not None; "
+        "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    libs = eval(out)
+    assert len(libs) == 1 and "torch" in libs[0], libs  # torch's libgomp, not a second runtime
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("in_features", [576, 1536, 37])
+def test_products_match_a_float64_reference(dtype, in_features):
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(96, in_features, generator=g) * 0.05
+    panels = cpu_matmul.pack(w, dtype)
+    wq = w.to(dtype).float()  # the values the kernel multiplies by
+    for rows in [*range(1, 21), 64]:
+        x = torch.randn(rows, in_features, generator=g)
+        y = cpu_matmul.matmul(x, panels)
+        ref = _ref(x, wq)
+        scale = (x.abs().double() @ wq.abs().double().T).float()  # sum |x||w|: float32 rounding's bound
+        assert y.shape == (rows, 96) and y.dtype == torch.float32
+        assert ((y - ref).abs() <= 1e-5 * scale + 1e-6).all(), (rows, (y - ref).abs().max().item())
+    assert cpu_matmul.matmul(torch.empty(0, in_features), panels).shape == (0, 96)
+
+
+def test_a_rows_result_is_independent_of_its_batch_and_of_threads():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3072, 576, generator=g) * 0.05
+    panels = cpu_matmul.pack(w)
+    x = torch.randn(13, 576, generator=g)
+    torch.set_num_threads(2)
+    together = cpu_matmul.matmul(x, panels)
+    for i in range(13):
+        assert torch.equal(cpu_matmul.matmul(x[i : i + 1], panels), together[i : i + 1])
+    assert torch.equal(cpu_matmul.matmul(x[3:8], panels), together[3:8])  # a slice, not contiguous from 0
+    torch.set_num_threads(1)
+    assert torch.equal(cpu_matmul.matmul(x, panels), together)
+
+
+def test_pack_round_trips_and_refuses_what_it_cannot_hold():
+    w = torch.randn(48, 20)
+    panels = cpu_matmul.pack(w)
+    assert panels.shape == (3, 20, cpu_matmul.PANEL) and panels.is_contiguous()
+    assert torch.equal(cpu_matmul.unpack(panels), w)
+    assert torch.equal(cpu_matmul.unpack(cpu_matmul.pack(w, torch.float16)), w.half().float())
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_matmul.pack(torch.randn(40, 20))  # 40 outputs: not whole panels
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_matmul.pack(w, torch.bfloat16)
+    with pytest.raises(ValueError, match="matmul"):
+        cpu_matmul.matmul(torch.randn(2, 21), panels)  # the wrong input width
+    with pytest.raises(ValueError, match="matmul"):
+        cpu_matmul.matmul(torch.randn(2, 20), panels.transpose(1, 2))  # not panels
+    assert not cpu_matmul.packs(40) and cpu_matmul.packs(48)
+
+
+def _linear(out_features: int = 64, in_features: int = 32) -> tuple[Linear, torch.Tensor]:
+    lin = Linear(in_features, out_features, bias=False)
+    w = torch.randn(out_features, in_features)
+    lin.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    lin.set_cpu_layout(2)
+    return lin, w
+
+
+def test_a_linear_multiplies_with_the_kernel_and_falls_back_to_torch(monkeypatch):
+    lin, w = _linear()
+    assert lin.panels and lin.weight.shape == (4, cpu_matmul.PANEL, 32)
+    assert torch.equal(lin.dense_weight(), w)
+    x = torch.randn(5, 32)
+    with_kernel = lin(x)
+    monkeypatch.setenv(cpu_matmul.ENV, "0")  # read per call: torch's batched product over the same blocks
+    assert cpu_matmul.kernel() is None and cpu_matmul.unavailable_reason() == f"{cpu_matmul.ENV}=0"
+    torch.testing.assert_close(lin(x), with_kernel, rtol=1e-5, atol=1e-5)
+    fallback, _ = _linear()
+    assert not fallback.panels  # laid out while the kernel was off: column blocks
+    monkeypatch.delenv(cpu_matmul.ENV)
+    odd, _ = _linear(out_features=40)
+    assert not odd.panels  # 40 outputs: not whole panels
+    torch.testing.assert_close(odd(x), x @ odd.dense_weight().T, rtol=1e-5, atol=1e-5)
+
+
+def test_training_multiplies_the_panels_with_torch_for_gradients():
+    lin, w = _linear()
+    x = torch.randn(3, 32, requires_grad=True)
+    lin(x).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, w.sum(0).expand(3, 32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("broken", ["no compiler", "compile fails"])
+def test_without_a_working_compiler_the_kernel_is_left_out_with_a_reason(broken, monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_matmul, "_state", {})  # as in a fresh process
+    monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))  # nothing cached
+    if broken == "no compiler":
+        monkeypatch.setenv("CXX", "no-such-compiler")
+    else:
+        bad = tmp_path / "bad.cpp"
+        bad.write_text("this is not C++\n")
+        monkeypatch.setattr(cpu_matmul, "SOURCE", bad)
+    assert cpu_matmul.kernel() is None
+    reason = cpu_matmul.unavailable_reason()
+    assert reason and ("no C++ compiler" in reason if broken == "no compiler" else "failed" in reason), reason
+    lin, w = _linear()
+    assert not lin.panels
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert not list(tmp_path.glob("kernels/*.so*")) and not list(tmp_path.glob("kernels/tmp*"))  # no debris
+
+
+def test_the_library_is_built_once_and_then_read_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
+    cxx = cpu_matmul._compiler()
+    assert cxx is not None
+    first = cpu_matmul._build(cxx)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_matmul._build(cxx) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("mode", [None, "fp16"])
+def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
+    from draftwise.worker import default_model_path
+    from draftwise.worker.model.loader import cpu_products, load_model
+
+    loaded = load_model(default_model_path(), quantization=mode)
+    assert cpu_products(loaded.model) == "draftwise kernel"
+    monkeypatch.setenv(cpu_matmul.ENV, "0")
+    loaded = load_model(default_model_path(), quantization=mode)
+    assert cpu_products(loaded.model) == f"torch ({cpu_matmul.ENV}=0)"

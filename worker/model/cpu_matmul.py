@@ -1,0 +1,176 @@
+"""Weight-streaming products on CPU: this package's own AVX2 kernel (``cpu_matmul.cpp``) for
+``x @ W.T`` with float32 or float16 weights.
+
+A decode step multiplies one row, or a few (a verify pass of drafted tokens, a small batch), by
+every weight, so it costs what streaming the weights from memory costs. PyTorch's CPU products
+read a weight once per row or few rows for such shapes: on this project's 2-core machine a
+4-row product over SmolLM2-135M's weights took 1.5-2x a 1-row one. The kernel reads each
+weight once per call for up to 6 rows (from cache after that), so 1-8 rows cost about the same,
+and it beats torch's float32 products at every row count measured (1-512) and fbgemm's
+float16 one at 1-6 rows (docs/benchmarks.md, section ``cpu-smollm2-135m-instruct``).
+
+The weight is packed once, at load time, into panels of ``PANEL`` output columns:
+``[out / PANEL, in, PANEL]``, each panel one contiguous stream (``pack``). Only weights whose
+output width is a multiple of ``PANEL`` are packed (every projection and vocabulary of the
+models we load; others keep torch's products).
+
+The kernel is compiled from its source with the machine's C++ compiler the first time it is
+needed (about a second) and cached under ``draftwise_cache_dir()/kernels``, keyed by the
+source, the compiler and its flags. It needs x86-64 with AVX2, FMA and F16C, and ``g++`` (or
+``$CXX``); without them, or with ``DRAFTWISE_CPU_KERNELS=0``, the products are torch's, as
+before, and ``unavailable_reason()`` says why. It runs its threads on PyTorch's own OpenMP
+runtime (linked by soname against the ``libgomp.so.1`` torch has loaded), with
+``torch.get_num_threads()`` threads.
+
+Results: float32 accumulation in input order per output, so they differ from torch's in
+rounding only (tests/model/test_cpu_matmul.py bounds it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from draftwise.worker.paths import draftwise_cache_dir
+
+PANEL = 16  # output columns per panel (the kernel's dw_panel_width)
+ENV = "DRAFTWISE_CPU_KERNELS"  # "0": use torch's products
+PROFILER_NAME = "draftwise::cpu_matmul"  # what torch's profiler records a call as
+SOURCE = Path(__file__).with_name("cpu_matmul.cpp")
+FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded kernel, or "reason": why there is none
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _build(cxx: str) -> Path:
+    """The compiled kernel, from the cache or compiled now (atomically: processes that start
+    together each compile to a file of their own and rename it into place)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:20]
+    folder = draftwise_cache_dir() / "kernels"
+    target = folder / f"cpu_matmul-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the kernel is x86-64 code; this machine is {platform.machine()}")
+    missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH to build it")
+    lib = ctypes.CDLL(str(_build(cxx)))
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
+        fn.argtypes = [*args, ctypes.c_int]
+        fn.restype = None
+    if lib.dw_panel_width() != PANEL:
+        raise RuntimeError(f"the kernel's panel width is {lib.dw_panel_width()}, this module's {PANEL}")
+    return lib
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (``unavailable_reason`` says why). Built once per process;
+    ``DRAFTWISE_CPU_KERNELS=0`` is read on every call."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return None
+    with _lock:
+        if not _state:
+            try:
+                _state["lib"] = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _state["reason"] = str(e)
+        lib = _state.get("lib")
+    return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def unavailable_reason() -> str | None:
+    """Why the products are torch's (None: the kernel is in use)."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"{ENV}=0"
+    return None if kernel() is not None else str(_state.get("reason"))
+
+
+def packs(out_features: int) -> bool:
+    """Whether a weight with ``out_features`` outputs is packed for the kernel on this machine."""
+    return out_features % PANEL == 0 and kernel() is not None
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[out, in]`` -> panels ``[out / PANEL, in, PANEL]`` of ``dtype`` (float32 or float16), contiguous."""
+    out_features, in_features = weight.shape
+    if out_features % PANEL or dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"cannot pack a [{out_features}, {in_features}] weight as {dtype} panels of {PANEL}")
+    w = weight.detach().to(dtype)
+    return w.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def unpack(panels: torch.Tensor) -> torch.Tensor:
+    """Panels ``[P, in, PANEL]`` -> ``[P * PANEL, in]`` float32 (a copy)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1]).to(torch.float32)
+
+
+def matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[T, in]`` float32 and ``W``'s panels (``pack``): ``[T, out]``
+    float32. Only call when ``kernel()`` is not None."""
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
+    num_panels, in_features, width = panels.shape
+    if x.dim() != 2 or x.shape[1] != in_features or width != PANEL or not panels.is_contiguous():
+        raise ValueError(f"matmul: x {list(x.shape)} against panels {list(panels.shape)}")
+    x = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], num_panels * PANEL, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return y
+    if panels.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"matmul: panels of {panels.dtype}")
+    fn = lib.dw_matmul_f16 if panels.dtype == torch.float16 else lib.dw_matmul_f32
+    args = (x.data_ptr(), x.shape[0], in_features, panels.data_ptr(), num_panels * PANEL, y.data_ptr())
+    if torch.autograd.profiler._is_profiler_enabled:  # seen by torch's profiler (bench_profile, tests)
+        with torch.profiler.record_function(PROFILER_NAME):
+            fn(*args, torch.get_num_threads())
+    else:
+        fn(*args, torch.get_num_threads())
+    return y
