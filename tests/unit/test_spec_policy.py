@@ -349,3 +349,41 @@ def test_estimate_is_smoothed_towards_the_prior():
     assert pol.estimate(st) == pytest.approx(2 / 5)
     pol.update(st, 4, 4)  # four acceptances, no rejection
     assert pol.estimate(st) == pytest.approx(6 / 9)
+
+
+def _priced(verify_over_plain: float, draft_over_plain: float) -> SpeculationPolicy:
+    """A policy whose cost model holds steady step times (plain 10 ms at 1 and 2 tokens, so
+    verify at n + k extrapolates flat from the measured sizes when verify_over_plain is 1)."""
+    pol = SpeculationPolicy()
+    for _ in range(2):  # a size's first time is dropped as a cold run
+        for n in (1, 2, 3, 4, 5):
+            pol.costs.record_target(n, 0.010 * (1.0 if n == 1 else verify_over_plain))
+        pol.costs.record_draft(1, 0.010 * draft_over_plain)
+    return pol
+
+
+def test_once_priced_a_zero_streak_leaves_the_decision_to_the_costs():
+    """Three empty rounds switch a request off only while the costs cannot price a round: a
+    drafter accepted 40% of the time (three empty rounds in a row a fifth of the time) keeps
+    drafting where verifying costs 1.05 plain steps; where drafting cannot pay, the costs say 0."""
+    cheap = _priced(1.05, 0.07)
+    assert cheap.priced()
+    st = cheap.new_state()
+    for _ in range(3):
+        cheap.update(st, 1, 0)
+    assert st.off_steps is None
+    for _ in range(6):
+        cheap.update(st, 1, 1)
+        cheap.update(st, 1, 0)
+    assert cheap.estimate(st) < 0.6 and cheap.choose_k(st, 1) >= 1  # about 0.5 acceptance: still drafts
+    dear = _priced(2.0, 0.5)  # verifying costs two plain steps: 0.5 acceptance cannot pay
+    st = dear.new_state()
+    for _ in range(3):
+        dear.update(st, 1, 0)
+    assert st.off_steps is None and dear.choose_k(st, 1) == 0
+    unpriced = SpeculationPolicy()
+    assert not unpriced.priced()
+    st = unpriced.new_state()
+    for _ in range(3):
+        unpriced.update(st, 1, 0)
+    assert st.off_steps == 0  # nothing timed yet: the streak rule still applies

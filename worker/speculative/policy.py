@@ -4,10 +4,11 @@ Two layers:
 
 1. **Acceptance**: each request keeps the per-token acceptance of its recent rounds (the
    chance that a drafted token is accepted given the ones before it were). Its cap on k rises
-   by one while acceptance is above ``raise_above``, falls by one below ``lower_below``; after
-   ``off_after`` rounds in a row with nothing accepted speculation goes off for the request,
-   and after ``probe_after`` plain steps it is probed again with k = 1 (the wait doubles
-   with each failed probe in a row, up to four times).
+   by one while acceptance is above ``raise_above``, falls by one below ``lower_below``. Until
+   the costs are measured (layer 2 cannot price a round yet), after ``off_after`` rounds in a
+   row with nothing accepted speculation goes off for the request, and after ``probe_after``
+   plain steps it is probed again with k = 1 (the wait doubles with each failed probe in a
+   row, up to four times); once they are, the cost layer alone switches drafting off and on.
 2. **Cost**: the engine records how long draft steps and verify steps take at each batch
    size (``CostModel``). Given an acceptance rate a, k drafted tokens yield on average
    (1 - a^(k+1)) / (1 - a) tokens per step; the policy picks the k (zero included) up to the
@@ -273,6 +274,15 @@ class SpeculationPolicy:
             return 1  # re-measure: acceptance and costs move
         return 0
 
+    def priced(self) -> bool:
+        """Whether the cost layer can price a round (plain and draft steps measured). Then it
+        alone decides whether a request drafts, from its smoothed acceptance, and a zero
+        streak does not switch speculation off: three empty rounds in a row happen a fifth of
+        the time to a drafter accepted 40% of the time, which pays where a verify pass costs
+        little more than a plain step (a trained head on the CPU kernel: docs/benchmarks.md),
+        and the off state's doubling probe waits kept such a drafter off most of the time."""
+        return self.costs.target_time(1) is not None and self.costs.draft_time(1) is not None
+
     def probe_wait(self, state: RequestSpecState) -> int:
         """Plain steps before the next probe: ``probe_after``, doubled for each probe in a row
         that did not bring speculation back, up to four times (a probe costs a draft catch-up
@@ -352,7 +362,7 @@ class SpeculationPolicy:
             state.cap = 1  # start again gently; acceptance raises it
             return
         state.zero_streak = state.zero_streak + 1 if accepted == 0 else 0
-        if state.zero_streak >= cfg.off_after:
+        if state.zero_streak >= cfg.off_after and not self.priced():
             state.off_steps = 0
             state.rounds.clear()
             return
