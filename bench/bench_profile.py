@@ -257,7 +257,7 @@ def render(r: dict) -> str:
     lines += [
         "",
         f"Read bandwidth: {r['read_gb_s_1_thread']:.1f} GB/s with one thread, {r['read_gb_s_all_threads']:.1f} GB/s "
-        "with all. Products: " + r.get("cpu_products", "torch (column blocks)") + " (docs/models.md, \"The CPU kernel\"; "
+        "with all. Products: " + r.get("cpu_products", "torch (column blocks)") + ' (docs/models.md, "The CPU kernel"; '
         "`DRAFTWISE_CPU_KERNELS=0` measures torch's).",
     ]
     return "\n".join(lines)
