@@ -5,9 +5,9 @@
 // per few rows) for such shapes; these kernels read each weight once per call for up to
 // ROWS_PER_PASS rows, and from cache after that.
 //
-// Layout: the weight [out, in] is stored as panels of PANEL consecutive output columns,
-// [ceil(out / PANEL), in, PANEL], zero-padded: a panel is one contiguous stream, read in full
-// by one thread. For each panel, rows go in groups of ROWS_PER_PASS (12 accumulators, two
+// Layout: the weight [out, in] (out a multiple of PANEL) is stored as panels of PANEL
+// consecutive output columns, [out / PANEL, in, PANEL]: a panel is one contiguous stream, read
+// in full by one thread. For each panel, rows go in groups of ROWS_PER_PASS (12 accumulators, two
 // weight registers and a broadcast: 15 of AVX2's 16 vector registers); the first group reads
 // the panel from memory, later groups from the core's L2 (a panel is in * PANEL * 4 bytes:
 // 36-96 KiB for a 576-1536-wide model at float32).
@@ -22,7 +22,6 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
 constexpr int PANEL = 16;
 constexpr int ROWS_PER_PASS = 6;
@@ -38,19 +37,7 @@ static inline void load_w(const uint16_t* p, __m256& w0, __m256& w1) {
     w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
-static inline void store(float* y, __m256 lo, __m256 hi, int cols) {
-    if (cols == PANEL) {
-        _mm256_storeu_ps(y, lo);
-        _mm256_storeu_ps(y + 8, hi);
-    } else {
-        float tmp[PANEL];
-        _mm256_storeu_ps(tmp, lo);
-        _mm256_storeu_ps(tmp + 8, hi);
-        memcpy(y, tmp, sizeof(float) * cols);
-    }
-}
-
-// R rows (R <= ROWS_PER_PASS) times one panel: y[r, 0:cols] for each row r. The accumulators
+// R rows (R <= ROWS_PER_PASS) times one panel: y[r, 0:PANEL] for each row r. The accumulators
 // are named variables, not an array: GCC keeps an array of vectors in memory and stores it
 // back every iteration.
 #define DW_ROW(r)                                                    \
@@ -59,11 +46,14 @@ static inline void store(float* y, __m256 lo, __m256 hi, int cols) {
         a##r##0 = _mm256_fmadd_ps(b, w0, a##r##0);                   \
         a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1);                   \
     }
-#define DW_STORE(r) \
-    if constexpr (R > r) store(y + r * ldy, a##r##0, a##r##1, cols);
+#define DW_STORE(r)                                  \
+    if constexpr (R > r) {                           \
+        _mm256_storeu_ps(y + r * ldy, a##r##0);      \
+        _mm256_storeu_ps(y + r * ldy + 8, a##r##1);  \
+    }
 
 template <int R, typename W>
-static void panel_rows(const W* panel, const float* x, int64_t ldx, int64_t in, float* y, int64_t ldy, int cols) {
+static void panel_rows(const W* panel, const float* x, int64_t ldx, int64_t in, float* y, int64_t ldy) {
     static_assert(R >= 1 && R <= ROWS_PER_PASS, "rows per pass");
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
     __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
@@ -77,37 +67,32 @@ static void panel_rows(const W* panel, const float* x, int64_t ldx, int64_t in, 
 }
 
 template <typename W>
-static void panel_all_rows(const W* panel, const float* x, int64_t rows, int64_t in, float* y, int64_t out, int cols) {
+static void panel_all_rows(const W* panel, const float* x, int64_t rows, int64_t in, float* y, int64_t out) {
     int64_t r = 0;
     for (; r + ROWS_PER_PASS <= rows; r += ROWS_PER_PASS)
-        panel_rows<ROWS_PER_PASS>(panel, x + r * in, in, in, y + r * out, out, cols);
+        panel_rows<ROWS_PER_PASS>(panel, x + r * in, in, in, y + r * out, out);
     switch (rows - r) {
-        case 5: panel_rows<5>(panel, x + r * in, in, in, y + r * out, out, cols); break;
-        case 4: panel_rows<4>(panel, x + r * in, in, in, y + r * out, out, cols); break;
-        case 3: panel_rows<3>(panel, x + r * in, in, in, y + r * out, out, cols); break;
-        case 2: panel_rows<2>(panel, x + r * in, in, in, y + r * out, out, cols); break;
-        case 1: panel_rows<1>(panel, x + r * in, in, in, y + r * out, out, cols); break;
+        case 5: panel_rows<5>(panel, x + r * in, in, in, y + r * out, out); break;
+        case 4: panel_rows<4>(panel, x + r * in, in, in, y + r * out, out); break;
+        case 3: panel_rows<3>(panel, x + r * in, in, in, y + r * out, out); break;
+        case 2: panel_rows<2>(panel, x + r * in, in, in, y + r * out, out); break;
+        case 1: panel_rows<1>(panel, x + r * in, in, in, y + r * out, out); break;
         default: break;
     }
 }
 
 template <typename W>
 static void matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t out, float* y, int threads) {
-    const int64_t panels = (out + PANEL - 1) / PANEL;
+    const int64_t panels = out / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t p = 0; p < panels; ++p) {
-        const int cols = static_cast<int>(out - p * PANEL < PANEL ? out - p * PANEL : PANEL);
-        panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out, cols);
-    }
+    for (int64_t p = 0; p < panels; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
 }
 
 extern "C" {
 
 int dw_panel_width(void) { return PANEL; }
 
-int dw_rows_per_pass(void) { return ROWS_PER_PASS; }
-
-// x [rows, in] float32 row-major; w [ceil(out / 16), in, 16] float32; y [rows, out] float32.
+// x [rows, in] float32 row-major; w [out / 16, in, 16] float32; y [rows, out] float32; out % 16 == 0.
 void dw_matmul_f32(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y, int threads) {
     matmul(x, rows, in, w, out, y, threads);
 }

@@ -4,10 +4,10 @@
 A decode step multiplies one row, or a few (a verify pass of drafted tokens, a small batch), by
 every weight, so it costs what streaming the weights from memory costs. PyTorch's CPU products
 read a weight once per row or few rows for such shapes: on this project's 2-core machine a
-4-row product over SmolLM2-135M's weights took 1.5-2x a 1-row one. The kernel reads each
-weight once per call for up to 6 rows (from cache after that), so 1-8 rows cost about the same,
-and it beats torch's float32 products at every row count measured (1-512) and fbgemm's
-float16 one at 1-6 rows (docs/benchmarks.md, section ``cpu-smollm2-135m-instruct``).
+4-row product over SmolLM2-135M's weights took 1.6x a 1-row one. The kernel reads each
+weight once per call for up to 6 rows (from cache after that), so 1-5 rows cost about the same,
+and it beats torch's float32 products at every row count measured (1-64; 512 ad hoc) and
+fbgemm's float16 one at 1-5 rows (docs/benchmarks.md, section ``cpu-smollm2-135m-instruct``).
 
 The weight is packed once, at load time, into panels of ``PANEL`` output columns:
 ``[out / PANEL, in, PANEL]``, each panel one contiguous stream (``pack``). Only weights whose
@@ -15,7 +15,7 @@ output width is a multiple of ``PANEL`` are packed (every projection and vocabul
 models we load; others keep torch's products).
 
 The kernel is compiled from its source with the machine's C++ compiler the first time it is
-needed (about a second) and cached under ``draftwise_cache_dir()/kernels``, keyed by the
+needed (a second or two) and cached under ``draftwise_cache_dir()/kernels``, keyed by the
 source, the compiler and its flags. It needs x86-64 with AVX2, FMA and F16C, and ``g++`` (or
 ``$CXX``); without them, or with ``DRAFTWISE_CPU_KERNELS=0``, the products are torch's, as
 before, and ``unavailable_reason()`` says why. It runs its threads on PyTorch's own OpenMP
@@ -115,6 +115,9 @@ def kernel() -> ctypes.CDLL | None:
     ``DRAFTWISE_CPU_KERNELS=0`` is read on every call."""
     if os.environ.get(ENV, "1").strip() == "0":
         return None
+    lib = _state.get("lib")  # built: no lock on the per-product path
+    if isinstance(lib, ctypes.CDLL):
+        return lib
     with _lock:
         if not _state:
             try:
@@ -160,12 +163,12 @@ def matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     num_panels, in_features, width = panels.shape
     if x.dim() != 2 or x.shape[1] != in_features or width != PANEL or not panels.is_contiguous():
         raise ValueError(f"matmul: x {list(x.shape)} against panels {list(panels.shape)}")
-    x = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
+    if panels.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"matmul: panels of {panels.dtype}")
+    x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], num_panels * PANEL, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
-    if panels.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"matmul: panels of {panels.dtype}")
     fn = lib.dw_matmul_f16 if panels.dtype == torch.float16 else lib.dw_matmul_f32
     args = (x.data_ptr(), x.shape[0], in_features, panels.data_ptr(), num_panels * PANEL, y.data_ptr())
     if torch.autograd.profiler._is_profiler_enabled:  # seen by torch's profiler (bench_profile, tests)
