@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from head_prompts import text_answers, training_prompts  # noqa: E402
+from head_prompts import EVAL_PROMPTS, broad_prompts, text_answers, training_prompts  # noqa: E402
 
 from draftwise.worker.core.block_manager import BlockManager  # noqa: E402
 from draftwise.worker.engine.intake import Intake  # noqa: E402
@@ -194,6 +194,14 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a model folder, .gguf file, alias, or 'default'")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--count", type=int, default=1200, help="training prompts")
+    ap.add_argument(
+        "--prompts",
+        choices=("train", "broad", "eval"),
+        default="train",
+        help="train: training_prompts (shards shard_NNN.pt); broad: broad_prompts (broad_NNN.pt); eval: the "
+        "held-out evaluation prompts, greedy (eval_NNN.pt; for figures only, never for training: keep them in "
+        "another folder)",
+    )
     ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--max-prompt", type=int, default=384, help="longest prompt kept (its last tokens)")
     ap.add_argument("--batch", type=int, default=48, help="prompts answered together")
@@ -206,7 +214,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     folder = resolve_model(args.model)
-    pairs = training_prompts(args.count, args.seed)
+    if args.prompts == "eval":
+        pairs, args.sampled = list(EVAL_PROMPTS), 0.0
+    else:
+        pairs = (broad_prompts if args.prompts == "broad" else training_prompts)(args.count, args.seed)
+    prefix = {"train": "shard", "broad": "broad", "eval": "eval"}[args.prompts]
     loaded = load_model(folder, dtype="float32")
     bs = 16
     per_seq = -(-(args.max_prompt + args.max_new + 1) // bs)
@@ -221,7 +233,7 @@ def main() -> None:
     temps = [0.7 if (i * 0.618) % 1 < args.sampled else 0.0 for i in range(len(ids))]
     t0, made = time.perf_counter(), 0
     for shard, lo in enumerate(range(0, len(ids), args.batch)):
-        path = args.out / f"shard_{shard:03d}.pt"
+        path = args.out / f"{prefix}_{shard:03d}.pt"
         if path.exists():
             continue
         hi = min(lo + args.batch, len(ids))
@@ -240,7 +252,7 @@ def main() -> None:
             path,
         )
         el = time.perf_counter() - t0
-        print(f"shard {shard}: {hi}/{len(ids)} prompts, {made} new tokens, {made / el:.1f} tok/s", flush=True)
+        print(f"{prefix} {shard}: {hi}/{len(ids)} prompts, {made} new tokens, {made / el:.1f} tok/s", flush=True)
 
 
 if __name__ == "__main__":

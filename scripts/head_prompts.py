@@ -211,12 +211,174 @@ def training_prompts(count: int, seed: int = 0) -> list[tuple[str, str]]:
     return pairs
 
 
+# ---- broad families (``broad_prompts``): everyday chat, code in several languages, varied
+# reasoning; written for this set, none an evaluation prompt or a rewording of one ----
+
+CHAT_ASKS = (
+    "What are some practical tips for {a}?",
+    "How can I get better at {a}?",
+    "What should a beginner know before {a}?",
+    "I want to try {a} this month. Can you make me a simple plan?",
+    "What mistakes do people often make when {a}?",
+    "My friend says {a} is a waste of time. How would you answer them?",
+    "Can you give me a short checklist for {a}?",
+    "How much time per week does {a} usually take to see progress?",
+)
+ACTIVITIES = (
+    "learning a new language", "saving money", "running a first 5k", "cooking at home", "keeping a journal",
+    "learning to draw", "studying for exams", "public speaking", "waking up earlier", "growing tomatoes",
+    "learning the guitar", "reading more books", "decluttering a small flat", "writing a CV", "training a puppy",
+    "drinking more water", "learning to swim", "taking better photos with a phone", "managing stress",
+    "planning a birthday party", "making friends in a new city", "learning to type faster", "baking sourdough",
+    "painting a room", "riding a bicycle in the city", "starting a podcast", "preparing for a job interview",
+    "keeping houseplants alive", "learning chess openings", "travelling on a budget", "eating more vegetables",
+)  # fmt: skip
+EXPLAIN_ASKS = (
+    "How does {x} work?",
+    "Why does {x} happen?",
+    "Can you explain {x} in simple terms?",
+    "What is {x}, and why does it matter?",
+    "Describe {x} in three short paragraphs.",
+)
+THINGS = (
+    "a refrigerator", "a rainbow", "a microwave oven", "compound interest", "a credit score", "jet lag",
+    "a hybrid car engine", "the seasons", "a thermostat", "GPS navigation", "inflation", "a heat pump",
+    "muscle soreness after exercise", "thunder", "a vaccine trial", "noise-cancelling headphones", "yeast in bread",
+    "the tides", "a password manager", "an electric kettle", "a QR code", "static electricity", "a sunset's colours",
+    "a mortgage", "the greenhouse effect", "a touch screen", "echoes", "a library's catalogue", "a barcode",
+)  # fmt: skip
+DIFF_PAIRS = (
+    ("a virus", "a bacterium"), ("a lake", "a pond"), ("baking soda", "baking powder"), ("RAM", "storage"),
+    ("a crocodile", "an alligator"), ("speed", "velocity"), ("a simile", "a metaphor"), ("an LED", "a light bulb"),
+    ("a debit card", "a credit card"), ("a moth", "a butterfly"), ("a tornado", "a hurricane"),
+    ("a resume", "a cover letter"), ("a fruit", "a vegetable"), ("latitude", "longitude"), ("a star", "a planet"),
+)  # fmt: skip
+NOTES = (
+    "Write a short message to {p} {o}.",
+    "Write a friendly note to {p} {o}. Keep it under 80 words.",
+    "Draft a polite email to {p} {o}.",
+)
+PEOPLE = ("my landlord", "a colleague", "my teacher", "my grandmother", "a new team member", "my manager", "a client")
+OCCASIONS = (
+    "to say thank you for their help last week", "to ask to move our meeting to Friday", "to congratulate them on a new job",
+    "to apologise for missing a call", "to invite them to a small dinner", "to report a broken heater",
+    "to ask for feedback on a report", "to wish them a quick recovery",
+)  # fmt: skip
+
+LANGUAGES = ("Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C", "C++", "Ruby", "Bash")
+CODE_TASKS = (
+    "counts the words in a sentence", "returns the largest number in a list", "reverses the words of a sentence",
+    "converts a temperature from Celsius to Fahrenheit", "checks whether a number is prime",
+    "returns the factorial of n", "counts how many times each character appears in a string",
+    "flattens a nested list", "computes the average of a list of numbers", "finds the second largest number in a list",
+    "capitalizes the first letter of every word", "checks whether two strings are anagrams",
+    "returns the greatest common divisor of two integers", "sums the digits of an integer",
+    "rotates a list by k positions", "finds the most common element in a list", "converts a binary string to an integer",
+    "splits a list into chunks of size n", "validates that a string looks like an email address",
+    "returns the intersection of two lists", "computes the n-th triangular number", "removes all vowels from a string",
+    "checks whether a year is a leap year", "returns the indexes of two numbers that add up to a target",
+    "implements binary search on a sorted list", "transposes a matrix", "counts the lines in a text file",
+)  # fmt: skip
+CODE_FORMS = (
+    "Write a {lang} function that {task}.",
+    "In {lang}, how would I write a function that {task}? Include a short example call.",
+    "Show me a {lang} program that {task}, and explain it briefly.",
+)
+CODE_QUESTIONS = (
+    "What is the difference between a list and a tuple in Python?",
+    "Explain what a closure is in JavaScript, with an example.",
+    "What does the `async` keyword do in Python?",
+    "How do I sort a dictionary by its values in Python?",
+    "What is a race condition, and how can I avoid one?",
+    "Explain recursion with a simple example.",
+    "What is the difference between `==` and `is` in Python?",
+    "How do I handle exceptions in Java?",
+    "What is Big O notation? Give two examples.",
+    "How do I create a virtual environment in Python?",
+    "Write a SQL query that counts the orders placed in each month.",
+    "Write a SQL query that lists products that were never ordered.",
+    "Explain what a primary key is in a database.",
+    "What does `git rebase` do, compared with `git merge`?",
+    "How do I write a unit test in JavaScript with Jest?",
+    "Explain the difference between a process and a thread.",
+    "What is a REST API? Give an example request.",
+    "How do I read a JSON file in Python?",
+    "Write a regular expression that matches a US ZIP code, and explain it.",
+    "How do I reverse a linked list? Show code in Python.",
+)
+REASONING_ASKS = (
+    "A cyclist rides {a} kilometres in {c} hours. How far does she ride in {d} hours at the same pace? Explain.",
+    "A jacket costs {a} dollars and is on sale for {p} percent off. What is the sale price? Work it out step by step.",
+    "Lena is {c} years older than her brother, who is {b}. How old will Lena be in {d} years? Explain your reasoning.",
+    "A recipe needs {c} eggs for {d} people. How many eggs are needed for {e} people? Show your work.",
+    "A tank holds {a} litres and drains {b} litres per minute. How long until it is empty? Explain.",
+    "There are {a} marbles shared equally among {c} children. How many does each get, and how many are left over?",
+    "A square garden has a side of {c} metres. What are its area and perimeter? Show the steps.",
+    "If a meeting starts at {h}:15 and lasts {b} minutes, when does it end? Explain.",
+    "Which is larger, {c}/{e} or {d}/{f}? Explain how you compare them.",
+    "A phone plan costs {b} dollars a month plus {c} dollars per gigabyte. What does a month with {d} gigabytes cost?",
+    "If it is {w} today, what day will it be in {a} days? Show how you work it out.",
+    "Three friends split a bill of {a} dollars, and one pays {b} dollars more than the others. How much does each pay?",
+    "What is {p} percent of {a}? Explain the method.",
+    "A train leaves at {h}:40 and arrives {a} minutes later. What time does it arrive? Think it through.",
+    "All cats in the shelter are vaccinated. Milo is a cat in the shelter. What can we conclude? Explain.",
+    "If some birds cannot fly, and penguins are birds, can we conclude that penguins cannot fly? Explain.",
+)
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def broad_prompts(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``count`` (kind, prompt) pairs from the broad families: about 35% chat (advice,
+    explanations, differences, short messages), 35% code (tasks in ``LANGUAGES``, programming
+    questions), 30% reasoning (word problems, logic); shuffled, distinct, none equal to or
+    containing an evaluation prompt (or contained in one)."""
+    rng = random.Random(seed + 7919)
+    chat: set[str] = set()
+    code: set[str] = set(CODE_QUESTIONS)
+    reasoning: set[str] = set()
+    n_chat, n_code = int(count * 0.35), int(count * 0.35)
+    chat_kinds = len(CHAT_ASKS) * len(ACTIVITIES) + len(EXPLAIN_ASKS) * len(THINGS) + len(DIFF_PAIRS)
+    chat_kinds += len(NOTES) * len(PEOPLE) * len(OCCASIONS)
+    if n_chat > chat_kinds or n_code > len(CODE_QUESTIONS) + len(CODE_FORMS) * len(LANGUAGES) * len(CODE_TASKS):
+        raise ValueError(f"{count} broad prompts asked: more than the chat or code families can make")
+    while len(chat) < n_chat:
+        r = rng.random()
+        if r < 0.4:
+            chat.add(rng.choice(CHAT_ASKS).format(a=rng.choice(ACTIVITIES)))
+        elif r < 0.7:
+            chat.add(rng.choice(EXPLAIN_ASKS).format(x=rng.choice(THINGS)))
+        elif r < 0.85:
+            x, y = rng.choice(DIFF_PAIRS)
+            chat.add(f"What is the difference between {x} and {y}?")
+        else:
+            chat.add(rng.choice(NOTES).format(p=rng.choice(PEOPLE), o=rng.choice(OCCASIONS)))
+    while len(code) < n_code:
+        code.add(rng.choice(CODE_FORMS).format(lang=rng.choice(LANGUAGES), task=rng.choice(CODE_TASKS)))
+    while len(reasoning) < count - n_chat - n_code:
+        a, b, c = rng.randint(20, 480), rng.randint(2, 40), rng.randint(2, 12)
+        d, e, f = rng.randint(2, 15), rng.randint(3, 16), rng.randint(3, 16)
+        reasoning.add(
+            rng.choice(REASONING_ASKS).format(
+                a=a, b=b, c=c, d=d, e=e, f=f, p=rng.choice((5, 10, 15, 20, 25, 30, 40, 75)),
+                h=rng.randint(1, 11), w=rng.choice(WEEKDAYS),
+            )
+        )  # fmt: skip
+    held_out = [p for _, p in EVAL_PROMPTS]
+    pairs = [("chat", p) for p in sorted(chat)] + [("code", p) for p in sorted(code)]
+    pairs += [("reasoning", p) for p in sorted(reasoning)]
+    pairs = [(k, p) for k, p in pairs if not any(e in p or p in e for e in held_out)]
+    rng.shuffle(pairs)
+    return pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--broad", action="store_true", help="the broad families (broad_prompts) instead")
     args = ap.parse_args()
-    for kind, prompt in training_prompts(args.count, args.seed):
+    make = broad_prompts if args.broad else training_prompts
+    for kind, prompt in make(args.count, args.seed):
         print(json.dumps({"kind": kind, "prompt": prompt}))
 
 

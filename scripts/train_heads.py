@@ -53,6 +53,7 @@ def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
             seqs.append(
                 {
                     "source": "text" if path.name.startswith("text_") else "generated",
+                    "broad": path.name.startswith("broad_"),
                     "tokens": d["tokens"][at_t : at_t + n].long(),
                     "feats": d["feats"][at_f : at_f + n - 1],
                     "prompt": p,
@@ -211,8 +212,17 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         "  source, module docstrings, installed packages' descriptions); the teacher is still the target's own",
         "  distribution at each position;",
         "- prompts: Python standard-library functions (explain, write, test, review), instruction templates over",
-        "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded.",
-        f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them.",
+        "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded;",
+        f"- of the generated answers, {data.get('broad_sequences', 0)} ({data.get('broad_answer_tokens', 0)} tokens) answer the broad",
+        "  families (`head_prompts.py --broad`, `distill_heads_data.py --prompts broad`): everyday advice and",
+        "  explanations, short messages, code tasks in ten languages and programming questions, varied word problems",
+        "  and logic;",
+        (
+            f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them."
+            if not recipe.get("init")
+            else f"- draft vocabulary: the {vocab['size']} tokens of the head this run went on from (`{recipe['init']}`), "
+            f"covering {vocab['answer_token_coverage']:.1%} of the generated answers."
+        ),
         "",
         "## Recipe",
         "",
@@ -222,12 +232,26 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         json.dumps(recipe, indent=1),
         "```",
         "",
-        f"{t['steps']} steps, {t['epochs']} epochs, {t['minutes']} minutes on {t['machine']}.",
+        f"{t['steps']} steps, {t['epochs']} epochs, {t['minutes']} minutes on {t['machine']}"
+        + (
+            f", going on from `{recipe['init']}` (its card: what it was trained on before)."
+            if recipe.get("init")
+            else "."
+        ),
         "",
         "## Figures (held-out answers)",
         "",
         f"- top-1 agreement with the target per drafted position: {t['held_out_top1_per_position']}",
         f"- implied chain length at temperature 0 (tokens per target pass): {t['held_out_chain_length_t0']}",
+        *(
+            [
+                f"- on the target's greedy answers to the {t['eval_prompts_answers']} evaluation prompts "
+                "(bench/head_eval_prompts.py; never trained on): top-1 per drafted position "
+                f"{t['eval_prompts_top1_per_position']}, implied chain length {t['eval_prompts_chain_length_t0']}",
+            ]
+            if "eval_prompts_top1_per_position" in t
+            else []
+        ),
         "",
         "Measured speedups and accepted lengths on the held-out evaluation prompts: docs/benchmarks.md.",
         "",
@@ -259,6 +283,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--crop-prompt", type=int, default=None, help="keep only the last N prompt tokens of each sequence as context"
+    )
+    ap.add_argument(
+        "--eval-data",
+        type=Path,
+        default=None,
+        help="a folder of eval_NNN.pt shards (distill_heads_data.py --prompts eval): the target's answers to the "
+        "held-out evaluation prompts, never trained on; the card reports the head's agreement on them",
     )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -304,12 +335,14 @@ def main() -> None:
     module.train()
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)
     val_batches = [pad_batch(b, cfg.hidden_size) for b in batches(val, args.tokens_per_batch, rng)]
+    eval_seqs = crop(load_data(args.eval_data, "eval_*.pt"), args.crop_prompt) if args.eval_data else []
+    eval_batches = [pad_batch(b, cfg.hidden_size) for b in batches(eval_seqs, args.tokens_per_batch, rng)]
 
-    def evaluate() -> list[float]:
+    def evaluate(on: list[dict[str, torch.Tensor]] | None = None) -> list[float]:
         module.eval()
         with torch.no_grad():
             per = []
-            for bt in val_batches:
+            for bt in val_batches if on is None else on:
                 _, a = (
                     eagle_loss(module, teacher, rope, bt, max(3, args.unroll), args.reg)
                     if isinstance(module, EagleHead)
@@ -360,11 +393,15 @@ def main() -> None:
                 "val_top1": [round(a, 4) for a in val_accs],
             }
         )
+        if eval_batches:
+            history[-1]["eval_top1"] = [round(a, 4) for a in evaluate(eval_batches)]
         print(
-            f"epoch {epoch}: held-out top-1 {history[-1]['val_top1']} chain length {chain_length(val_accs):.2f}",
+            f"epoch {epoch}: held-out top-1 {history[-1]['val_top1']} chain length {chain_length(val_accs):.2f}"
+            + (f" evaluation prompts {history[-1]['eval_top1']}" if eval_batches else ""),
             flush=True,
         )
     val_accs = evaluate()
+    eval_accs = evaluate(eval_batches) if eval_batches else []
     n_train_tokens = sum(len(s["tokens"]) - s["prompt"] for s in train)
     n_text = [s for s in train if s["source"] == "text"]
     training = {
@@ -373,6 +410,8 @@ def main() -> None:
             "answer_tokens": n_train_tokens,
             "teacher_forced_sequences": len(n_text),
             "teacher_forced_answer_tokens": sum(len(s["tokens"]) - s["prompt"] for s in n_text),
+            "broad_sequences": sum(s["broad"] for s in train),
+            "broad_answer_tokens": sum(len(s["tokens"]) - s["prompt"] for s in train if s["broad"]),
             "held_out_sequences": len(val),
             "source": "scripts/head_prompts.py prompts answered by the target (scripts/distill_heads_data.py)",
         },
@@ -388,6 +427,15 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "held_out_top1_per_position": [round(a, 4) for a in val_accs],
         "held_out_chain_length_t0": round(chain_length(val_accs), 3),
+        **(
+            {
+                "eval_prompts_answers": len(eval_seqs),
+                "eval_prompts_top1_per_position": [round(a, 4) for a in eval_accs],
+                "eval_prompts_chain_length_t0": round(chain_length(eval_accs), 3),
+            }
+            if eval_accs
+            else {}
+        ),
         "history": history,
     }
     module.eval()
