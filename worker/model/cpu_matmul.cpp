@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 #include <omp.h>
+#include <math.h>
 #include <stdint.h>
 
 constexpr int PANEL = 16;
@@ -88,9 +89,76 @@ static void matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t
     for (int64_t p = 0; p < panels; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
 }
 
+// RMSNorm of one row: r = x + residual (residual null: r = x, res_out untouched), out = (r * s) * w
+// with s = 1 / sqrt(mean(r^2) + eps); the sum of squares in float32, 16 lanes.
+static void rms_norm_row(const float* x, const float* residual, const float* w, float eps, int64_t hidden, float* out,
+                         float* res_out) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t i = 0;
+    const float* r = x;
+    if (residual != nullptr) {
+        for (; i + 8 <= hidden; i += 8) _mm256_storeu_ps(res_out + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(residual + i)));
+        for (; i < hidden; ++i) res_out[i] = x[i] + residual[i];
+        r = res_out;
+    }
+    for (i = 0; i + 16 <= hidden; i += 16) {
+        const __m256 a = _mm256_loadu_ps(r + i), b = _mm256_loadu_ps(r + i + 8);
+        s0 = _mm256_add_ps(s0, _mm256_mul_ps(a, a));
+        s1 = _mm256_add_ps(s1, _mm256_mul_ps(b, b));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(s0, s1));
+    float ss = 0.0f;
+    for (int l = 0; l < 8; ++l) ss += lanes[l];
+    for (; i < hidden; ++i) ss += r[i] * r[i];
+    const float s = 1.0f / sqrtf(ss / static_cast<float>(hidden) + eps);
+    const __m256 sv = _mm256_set1_ps(s);
+    for (i = 0; i + 8 <= hidden; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(r + i), sv), _mm256_loadu_ps(w + i)));
+    for (; i < hidden; ++i) out[i] = (r[i] * s) * w[i];
+}
+
 extern "C" {
 
 int dw_panel_width(void) { return PANEL; }
+
+// rows x hidden, all row-major and contiguous; residual and res_out null together or not at all.
+void dw_rms_norm_f32(const float* x, const float* residual, const float* w, float eps, int64_t rows, int64_t hidden,
+                     float* out, float* res_out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * hidden >= (1 << 16))
+    for (int64_t t = 0; t < rows; ++t)
+        rms_norm_row(x + t * hidden, residual ? residual + t * hidden : nullptr, w, eps, hidden, out + t * hidden,
+                     res_out ? res_out + t * hidden : nullptr);
+}
+
+// Rotary embedding (rotate-half), in place: row t of x (stride ldx floats) holds `heads` vectors of d floats, each
+// becomes x * cos[t] + rotate_half(x) * sin[t], with cos and sin [rows, d]. A product and a sum each rounded, in
+// torch's order (the file is compiled with -ffp-contract=off): bit-identical to the torch expression.
+void dw_rope_f32(float* x, int64_t rows, int64_t ldx, int64_t heads, int64_t d, const float* cos, const float* sin) {
+    const int64_t h = d / 2;
+    for (int64_t t = 0; t < rows; ++t) {
+        const float* c = cos + t * d;
+        const float* s = sin + t * d;
+        for (int64_t j = 0; j < heads; ++j) {
+            float* v = x + t * ldx + j * d;
+            int64_t i = 0;
+            for (; i + 8 <= h; i += 8) {
+                const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + h + i);
+                const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)),
+                                                _mm256_mul_ps(b, _mm256_loadu_ps(s + i)));
+                const __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + h + i)),
+                                                _mm256_mul_ps(a, _mm256_loadu_ps(s + h + i)));
+                _mm256_storeu_ps(v + i, lo);
+                _mm256_storeu_ps(v + h + i, hi);
+            }
+            for (; i < h; ++i) {
+                const float a = v[i], b = v[h + i];
+                v[i] = a * c[i] - b * s[i];
+                v[h + i] = b * c[h + i] + a * s[h + i];
+            }
+        }
+    }
+}
 
 // x [rows, in] float32 row-major; w [out / 16, in, 16] float32; y [rows, out] float32; out % 16 == 0.
 void dw_matmul_f32(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y, int threads) {

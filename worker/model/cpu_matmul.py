@@ -24,6 +24,9 @@ runtime (linked by soname against the ``libgomp.so.1`` torch has loaded), with
 
 Results: float32 accumulation in input order per output, so they differ from torch's in
 rounding only (tests/model/test_cpu_matmul.py bounds it).
+
+The library has two of a layer's small ops too (``rope_``, ``rms_norm``): one call each instead of
+the handful of torch ops, and their Python overhead, they replace (tests/model/test_cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from pathlib import Path
 
 import torch
 
+from draftwise.kernels import reference
 from draftwise.worker.paths import draftwise_cache_dir
 
 PANEL = 16  # output columns per panel (the kernel's dw_panel_width)
 ENV = "DRAFTWISE_CPU_KERNELS"  # "0": use torch's products
 PROFILER_NAME = "draftwise::cpu_matmul"  # what torch's profiler records a call as
 SOURCE = Path(__file__).with_name("cpu_matmul.cpp")
-FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 _lock = threading.Lock()
@@ -105,6 +109,11 @@ def _load() -> ctypes.CDLL:
     for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
         fn.argtypes = [*args, ctypes.c_int]
         fn.restype = None
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.dw_rms_norm_f32.argtypes = [p, p, p, f32, i64, i64, p, p, ctypes.c_int]
+    lib.dw_rms_norm_f32.restype = None
+    lib.dw_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
+    lib.dw_rope_f32.restype = None
     if lib.dw_panel_width() != PANEL:
         raise RuntimeError(f"the kernel's panel width is {lib.dw_panel_width()}, this module's {PANEL}")
     return lib
@@ -177,3 +186,63 @@ def matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     else:
         fn(*args, torch.get_num_threads())
     return y
+
+
+def _plain_f32(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in ts)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``rms_norm`` op (``draftwise.kernels.reference.rms_norm``: ``(normed, x + residual)``)
+    in one pass per row, for float32 tensors on CPU without gradients; anything else, or no
+    kernel, goes to the torch twin. Rounding differs from torch's in the sum of squares only."""
+    f32 = torch.float32
+    if (
+        x.dtype != f32
+        or weight.dtype != f32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or x.requires_grad
+        or weight.requires_grad
+        or (residual is not None and (residual.dtype != f32 or residual.requires_grad))
+        or (lib := kernel()) is None
+    ):
+        return reference.rms_norm(x, weight, eps, residual)
+    x = x.contiguous()
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    if residual is None:
+        res_out, res_ptr, res_out_ptr = x, None, None
+    else:
+        residual = residual.contiguous()
+        res_out = torch.empty_like(x)
+        res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
+    w = weight.contiguous()
+    lib.dw_rms_norm_f32(
+        x.data_ptr(), res_ptr, w.data_ptr(), eps, rows, hidden, out.data_ptr(), res_out_ptr, torch.get_num_threads()
+    )
+    return out, res_out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate ``x`` ([T, heads, D], rows of any stride, each row's heads contiguous) in place by
+    ``cos``/``sin`` ([T, 1, D] contiguous), bit-identical to ``rope.apply_rope``. Returns False
+    (``x`` untouched) where the kernel does not apply: no kernel, not float32 on CPU, gradients,
+    another layout."""
+    lib = kernel()
+    t, heads, d = x.shape
+    if (
+        lib is None
+        or not _plain_f32(x, cos, sin)
+        or d % 2
+        or x.stride(2) != 1
+        or x.stride(1) != d
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.shape != (t, 1, d)
+        or sin.shape != (t, 1, d)
+    ):
+        return False
+    lib.dw_rope_f32(x.data_ptr(), t, x.stride(0), heads, d, cos.data_ptr(), sin.data_ptr())
+    return True

@@ -21,6 +21,9 @@ from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
 from draftwise.worker.model.sharding import Shard
 
+# RMSNorm on CPU: this package's kernel (float32, no gradients; the torch twin otherwise)
+dispatch.register("rms_norm", "cpu", "draftwise-cpu", cpu_matmul.rms_norm)
+
 
 def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -170,9 +173,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        qk = apply_rope(
-            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin
-        )
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if not cpu_matmul.rope_(qk, *cos_sin):  # in place on CPU (qkv is this call's own), else torch's
+            qk = apply_rope(qk, *cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
