@@ -54,6 +54,7 @@ def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
                 {
                     "source": "text" if path.name.startswith("text_") else "generated",
                     "broad": path.name.startswith("broad_"),
+                    "file": path.name,
                     "tokens": d["tokens"][at_t : at_t + n].long(),
                     "feats": d["feats"][at_f : at_f + n - 1],
                     "prompt": p,
@@ -63,6 +64,14 @@ def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
             at_t += n
             at_f += n - 1
     return seqs
+
+
+HELD_OUT = "shard_000.pt"  # the first shard of generated answers: never trained on
+
+
+def training_data(folder: Path) -> list[dict]:
+    """Every sequence of ``folder``'s shards but the held-out shard's (``HELD_OUT``)."""
+    return [s for s in load_data(folder) if s["file"] != HELD_OUT]
 
 
 def crop(seqs: list[dict], keep: int | None) -> list[dict]:
@@ -296,10 +305,9 @@ def main() -> None:
     rng = torch.Generator().manual_seed(args.seed)
     target = load_model(resolve_model(args.model), dtype="float32")
     cfg = target.config
-    # held out: the first shard's answers; trained on: the others, read again at every epoch (a
-    # distillation run still writing shards feeds training as it goes)
-    val = crop(load_data(args.data, "shard_000.pt"), args.crop_prompt)
-    train = crop(load_data(args.data)[len(val) :], args.crop_prompt)
+    # training data is read again at every epoch (a distillation run still writing shards feeds it)
+    val = crop(load_data(args.data, HELD_OUT), args.crop_prompt)
+    train = crop(training_data(args.data), args.crop_prompt)
     generated = [s for s in train if s["source"] == "generated"]  # the vocabulary of the target's own answers
     draft_ids, coverage = draft_vocabulary(generated or train, args.draft_vocab, cfg.vocab_size)
     teacher = Teacher(target.model, draft_ids)
@@ -357,7 +365,7 @@ def main() -> None:
     steps_done, epoch, history = 0, 0, []
     while epoch < args.max_epochs and time.perf_counter() - t0 < budget:
         if epoch:
-            train = crop(load_data(args.data)[len(val) :], args.crop_prompt)
+            train = crop(training_data(args.data), args.crop_prompt)
         epoch_batches = batches(train, args.tokens_per_batch, rng)
         for b in epoch_batches:
             el = time.perf_counter() - t0
@@ -427,15 +435,9 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "held_out_top1_per_position": [round(a, 4) for a in val_accs],
         "held_out_chain_length_t0": round(chain_length(val_accs), 3),
-        **(
-            {
-                "eval_prompts_answers": len(eval_seqs),
-                "eval_prompts_top1_per_position": [round(a, 4) for a in eval_accs],
-                "eval_prompts_chain_length_t0": round(chain_length(eval_accs), 3),
-            }
-            if eval_accs
-            else {}
-        ),
+        **({"eval_prompts_answers": len(eval_seqs)} if eval_accs else {}),
+        **({"eval_prompts_top1_per_position": [round(a, 4) for a in eval_accs]} if eval_accs else {}),
+        **({"eval_prompts_chain_length_t0": round(chain_length(eval_accs), 3)} if eval_accs else {}),
         "history": history,
     }
     module.eval()
