@@ -176,8 +176,11 @@ def test_the_policy_decides_once_while_the_draft_catches_up(monkeypatch: pytest.
             proposed_at.append(step)
     engine.check_idle_invariants()
     catch_up_steps = sorted(draft.catch_up)
-    assert len(catch_up_steps) >= 3, catch_up_steps
-    assert proposed_at and proposed_at[0] > catch_up_steps[-1], (proposed_at, catch_up_steps)
+    # the first catch-up: consecutive steps from the prompt on (the policy's cost layer, which reads measured step
+    # times, may pause drafting later and the draft catch up again then: not what this test is about)
+    first = [s for i, s in enumerate(catch_up_steps) if s == catch_up_steps[0] + i]
+    assert len(first) >= 3, catch_up_steps
+    assert proposed_at and proposed_at[0] == first[-1] + 1, (proposed_at, catch_up_steps)
     # asked once when the request fell behind, then not again until it drafted
     asked = [s for s, _ in calls if catch_up_steps[0] <= s <= proposed_at[0]]
     assert asked == [catch_up_steps[0]], calls
