@@ -73,6 +73,10 @@ def test_rms_norm_falls_back_to_the_twin(monkeypatch):
     assert out.requires_grad  # torch's op, differentiable
     out64, _ = cpu_matmul.rms_norm(x.double(), w.double(), 1e-5)
     assert torch.equal(out64, reference.rms_norm(x.double(), w.double(), 1e-5)[0])
+    with pytest.raises(RuntimeError):  # mismatched shapes go to torch's op, which refuses them (no read past the end)
+        cpu_matmul.rms_norm(x, torch.randn(8), 1e-5)
+    with pytest.raises(RuntimeError):
+        cpu_matmul.rms_norm(x, w, 1e-5, torch.randn(1, 8))
     monkeypatch.setenv(cpu_matmul.ENV, "0")
     assert torch.equal(cpu_matmul.rms_norm(x, w, 1e-5)[0], reference.rms_norm(x, w, 1e-5)[0])
 

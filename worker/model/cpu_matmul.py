@@ -204,6 +204,8 @@ def rms_norm(
         or weight.dtype != f32
         or x.device.type != "cpu"
         or x.dim() != 2
+        or weight.shape != x.shape[1:]
+        or (residual is not None and residual.shape != x.shape)
         or x.requires_grad
         or weight.requires_grad
         or (residual is not None and (residual.dtype != f32 or residual.requires_grad))
