@@ -70,8 +70,8 @@ HELD_OUT = "shard_000.pt"  # the first shard of generated answers: never trained
 
 
 def training_data(folder: Path) -> list[dict]:
-    """Every sequence of ``folder``'s shards but the held-out shard's (``HELD_OUT``)."""
-    return [s for s in load_data(folder) if s["file"] != HELD_OUT]
+    """Every sequence of ``folder``'s shards but the held-out shard's (``HELD_OUT``) and evaluation answers'."""
+    return [s for s in load_data(folder) if s["file"] != HELD_OUT and not s["file"].startswith("eval_")]
 
 
 def crop(seqs: list[dict], keep: int | None) -> list[dict]:

@@ -38,6 +38,7 @@ def test_the_held_out_shard_is_never_trained_on(tmp_path: Path) -> None:
     _shard(tmp_path / "shard_001.pt", 2000, [4], [1])
     _shard(tmp_path / "broad_000.pt", 3000, [7, 3], [2, 1])
     _shard(tmp_path / "text_000.pt", 4000, [5], [2])
+    _shard(tmp_path / "eval_000.pt", 5000, [5], [2])  # evaluation answers written into the same folder by mistake
     held_out = train_heads.load_data(tmp_path, train_heads.HELD_OUT)
     train = train_heads.training_data(tmp_path)
     assert [int(s["tokens"][0]) for s in held_out] == [1000, 1005]
