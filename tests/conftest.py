@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 
+import draftwise  # noqa: F401 - first: it moves the checkout behind the installed packages on sys.path
+
 # Nothing may reach a hub during tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

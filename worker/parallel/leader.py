@@ -80,7 +80,7 @@ class Ranks:
         args += ["--threads", str(self.threads)]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "draftwise.worker.engine.follower", "--rank", str(r), *args], env=env
+                [sys.executable, "-P", "-m", "draftwise.worker.engine.follower", "--rank", str(r), *args], env=env
             )
             for r in range(1, size)
         ]
