@@ -2,7 +2,9 @@
 gRPC metadata keys, and a helper for the server interceptors of both.
 
 A worker answers ``GetLoad`` with the keys as trailing metadata; the gateway's router reads
-them and ``ListModels`` reports them.
+them and ``ListModels`` reports them. A worker refusing a continuation that is a whole output
+(INVALID_ARGUMENT) says why that output ended in the ``FINISHED_*`` keys: a gateway whose worker
+died between a request's last token and its final event finishes the request with them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ DRAFT_MODEL_KEY = "draftwise-draft-model"
 """The drafter's name, with speculative method "draft" (the draft model), "eagle" or "medusa" (the head)."""
 SPEC_TOKENS_KEY = "draftwise-num-speculative-tokens"
 """The most tokens drafted per request per step."""
+FINISHED_REASON_KEY = "draftwise-continuation-finished"
+""""length" or "stop": the refused continuation is a whole output, which ended so."""
+FINISHED_STOP_TOKEN_KEY = "draftwise-stop-token-id"
+"""With "stop": the stop token id (of ``SamplingParams.stop_token_ids``) it ended on; absent for EOS."""
+FINISHED_STOP_STR_KEY = "draftwise-stop-str-bin"
+"""With "stop": the stop string (UTF-8) its text ended on."""
 
 
 def handler_like(

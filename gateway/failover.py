@@ -12,7 +12,9 @@ that has to go on elsewhere (its worker died, hung or drains) waits for a worker
 :func:`prepare_failover` as a continuation (:func:`as_continuation`: the tokens its client
 has, the same sampling parameters and the speculation counters so far, at the next index; see
 docs/serving.md), one that had not is simply sent again. A paused request (its client gone,
-kept for a resume) goes on the same way when it is resumed.
+kept for a resume) goes on the same way when it is resumed. A worker that dies after a request's
+last token but before its final event leaves the gateway a whole output: the next worker refuses
+that continuation and says how it ended (:func:`finished_by`), and the gateway finishes it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from draftwise.gateway.errors import RequestError
 from draftwise.gateway.router import WorkerHandle
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
+from draftwise.wire import FINISHED_REASON_KEY, FINISHED_STOP_STR_KEY, FINISHED_STOP_TOKEN_KEY
 
 
 class Movable(Protocol):
@@ -160,3 +163,27 @@ def as_continuation(relay: Movable) -> None:
     cont.output_token_ids.extend(relay.tokens)
     if relay.spec is not None:
         cont.speculation.CopyFrom(relay.spec)
+
+
+def finished_by(metadata: Any, constrained: bool) -> pb.Finished | None:
+    """The final event of a request whose continuation a worker refused as a whole output, from the
+    refusal's trailing ``metadata`` (draftwise.wire: "length" or "stop", the stop token id or string),
+    its reason and stop only (the relay adds usage and timings); None when the refusal says no such
+    thing. ``constrained``: the request has a constraint, unfinished unless it ended on EOS."""
+    md: dict[str, Any] = {}
+    for key, value in metadata or ():
+        md.setdefault(key, value)
+    reason = md.get(FINISHED_REASON_KEY)
+    if reason == "length":
+        return pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH, constraint_unfinished=constrained)
+    if reason != "stop":
+        return None
+    finished = pb.Finished(finish_reason=pb.FINISH_REASON_STOP)
+    if FINISHED_STOP_TOKEN_KEY in md:
+        finished.stop_token_id = int(md[FINISHED_STOP_TOKEN_KEY])
+    elif FINISHED_STOP_STR_KEY in md:
+        value = md[FINISHED_STOP_STR_KEY]
+        finished.stop_str = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    # a constrained output ends on EOS only once complete; a stop id or string may cut it first
+    finished.constraint_unfinished = constrained and finished.WhichOneof("stop_reason") is not None
+    return finished

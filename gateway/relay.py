@@ -29,7 +29,7 @@ import structlog
 from draftwise.gateway.admit import Admitted
 from draftwise.gateway.core import Core
 from draftwise.gateway.errors import MAX_DETAILS_CHARS, RequestError, clip, error_response
-from draftwise.gateway.failover import as_continuation, pick, prepare_failover, wait_for_worker
+from draftwise.gateway.failover import as_continuation, finished_by, pick, prepare_failover, wait_for_worker
 from draftwise.gateway.prefix_routing import route_key
 from draftwise.gateway.replay import new_handle
 from draftwise.gateway.resumption import Resumable
@@ -179,7 +179,10 @@ class Relay(Resumable):
                 raise
             code, message = self._cancel
             if code == grpc.StatusCode.CANCELLED:
-                self._emit_finished_abort()
+                # (a constrained request still running was not complete: a complete one finishes by itself)
+                self._emit_finished(
+                    pb.Finished(finish_reason=pb.FINISH_REASON_ABORT, constraint_unfinished=self._constrained)
+                )
             else:
                 self._emit_error(code, message)
         except RequestError as e:
@@ -376,6 +379,12 @@ class Relay(Resumable):
                     f"worker {w.address} stopped the request after {self.num_tokens} output tokens ({details})",
                 )
             raise RequestError(S.UNAVAILABLE, f"worker {w.address} stopped the request ({details}); retry it")
+        if code == S.INVALID_ARGUMENT and self.resubmits:  # our continuation: the output may be whole
+            finished = finished_by(e.trailing_metadata(), self._constrained)
+            if finished is not None:  # (its worker died between the last token and the final event)
+                self.log.info("finished: the continuation was the whole output", reason=details)
+                self._emit_finished(finished)
+                return None
         if code == S.NOT_FOUND:
             raise RequestError(S.INVALID_ARGUMENT, details)
         if code == S.DEADLINE_EXCEEDED:
@@ -415,17 +424,17 @@ class Relay(Resumable):
             self.log.warning("request failed", code=code.name, message=message)
         self._put_final(error_response(self.request_id, code, message))
 
-    def _emit_finished_abort(self) -> None:
-        """The final ABORT of a request the gateway ended: the usage and timings known so far
-        (prompt tokens and queue time as the worker reported them; time to first token and
-        total time on the gateway's clock, from the request's arrival there)."""
-        self._final_status("abort")
-        finished = pb.Finished(
-            finish_reason=pb.FINISH_REASON_ABORT,
-            usage=pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens),
-            # (a constrained request still running was not complete: a complete one finishes by itself)
-            constraint_unfinished=self.request.start.sampling_params.WhichOneof("constraint") is not None,
-        )
+    @property
+    def _constrained(self) -> bool:
+        return self.request.start.sampling_params.WhichOneof("constraint") is not None
+
+    def _emit_finished(self, finished: pb.Finished) -> None:
+        """The final event of a request the gateway ended (ABORT) or found finished (a continuation
+        that was the whole output): ``finished``'s reason with the usage and timings known so far
+        (prompt tokens and queue time as the worker reported them; time to first token and total
+        time on the gateway's clock, from the request's arrival there)."""
+        self._final_status(_FINISH_STATUS.get(finished.finish_reason, "stop"))
+        finished.usage.CopyFrom(pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens))
         t = finished.timings
         t.queue_ms = self.queue_ms
         if self.t_first:

@@ -9,6 +9,7 @@ import pytest
 
 from draftwise.worker import LLM, SamplingParams
 from draftwise.worker.core.outputs import SpecStats
+from draftwise.worker.core.request import FinishedContinuation
 
 PROMPT = "def fibonacci(n):"
 
@@ -98,21 +99,34 @@ def test_usage_and_speculation_counters_cover_the_continuation(llm):
 
 
 @pytest.mark.parametrize(
-    ("continuation", "params", "message"),
+    ("continuation", "params", "message", "finished"),
     [
-        ([5, -1], {}, "continuation token ids must be integers"),
-        ([5, 10**9], {}, "continuation token ids must be integers"),
-        (list(range(5, 13)), {"max_tokens": 8}, "reach max_tokens=8"),
-        ([5] * 250, {}, "must be shorter than max_model_len=256"),
-        ([5, 6], {"stop_token_ids": [6]}, "is a stop token id"),
-        (["eos"], {}, "is EOS"),
+        ([5, -1], {}, "continuation token ids must be integers", None),
+        ([5, 10**9], {}, "continuation token ids must be integers", None),
+        (list(range(5, 13)), {"max_tokens": 8}, "reach max_tokens=8", "length"),
+        (list(range(5, 14)), {"max_tokens": 8}, "longer than any output", None),
+        ("room", {"max_tokens": None}, "reach max_model_len=256", "length"),
+        ("room+1", {"max_tokens": None}, "longer than any output", None),
+        ([5, 6], {"stop_token_ids": [6]}, "is a stop token id, which ends", "stop"),
+        ([6, 5], {"stop_token_ids": [6]}, "cannot go on after it", None),
+        (["eos"], {}, "is EOS", "stop"),
+        (["eos", 5], {}, "cannot go on after it", None),
     ],
 )
-def test_bad_continuation_refused(llm, continuation, params, message):
+def test_bad_continuation_refused(llm, continuation, params, message, finished):
+    """Refused, touching nothing; a whole output (it ends at its last token) as FinishedContinuation,
+    which says how it ended (the gateway finishes a request it failed over with one)."""
     engine = llm.engine
+    if isinstance(continuation, str):  # as many tokens as the context leaves (plus one)
+        room = 256 - len(engine.tokenizer.encode(PROMPT))
+        continuation = [5] * (room + continuation.count("+1"))
     continuation = [engine.eos_token_ids[0] if t == "eos" else t for t in continuation]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as e:
         engine.add_request("bad", PROMPT, SamplingParams(temperature=0, **params), continuation=continuation)
+    assert isinstance(e.value, FinishedContinuation) == (finished is not None), repr(e.value)
+    if isinstance(e.value, FinishedContinuation):
+        assert e.value.reason == finished and e.value.stop_str is None
+        assert e.value.stop_token_id == (6 if params.get("stop_token_ids") else None)
     assert "bad" not in engine.requests
     engine.check_idle_invariants()
 
@@ -125,11 +139,17 @@ def test_continuation_with_stop_string_already_matched_refused(llm):
     start = next(i for i in range(len(text)) if not text[i].isspace())
     stop = text[start : start + 4]
     assert stop.strip() and len(stop) == 4
-    with pytest.raises(ValueError, match="already finished: its text contains the stop string"):
+    ids = ref_final.outputs[0].token_ids
+    with pytest.raises(ValueError, match="already finished: its text contains the stop string") as e:
         engine.add_request(
-            "bad",
-            PROMPT,
-            SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
-            continuation=ref_final.outputs[0].token_ids[:15],
+            "bad", PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[stop]), continuation=ids[:15]
         )
+    assert not isinstance(e.value, FinishedContinuation)  # it matched before the last token: no output of this request
+    # the shortest continuation whose text holds it: a whole output, ended by the stop string
+    k = next(k for k in range(1, len(ids) + 1) if stop in engine.tokenizer.decode(ids[:k]))
+    with pytest.raises(FinishedContinuation, match="already finished: its text contains the stop string") as e:
+        engine.add_request(
+            "bad", PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[stop]), continuation=ids[:k]
+        )
+    assert e.value.reason == "stop" and e.value.stop_str == stop and e.value.stop_token_id is None
     assert "bad" not in engine.requests

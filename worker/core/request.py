@@ -122,3 +122,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+class FinishedContinuation(ValueError):
+    """The continuation is a whole output: the request ended at its last token (refused like any
+    invalid continuation, INVALID_ARGUMENT, with why it ended: a gateway that lost the final event
+    with a worker then finishes the request itself)."""
+
+    def __init__(self, message: str, reason: str, stop_token_id: int | None = None, stop_str: str | None = None):
+        super().__init__(message)
+        self.reason = reason  # "length" (max_tokens or the context reached) or "stop" (EOS, a stop id or string)
+        self.stop_token_id = stop_token_id
+        self.stop_str = stop_str

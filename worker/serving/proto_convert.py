@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
+from draftwise.wire import FINISHED_REASON_KEY, FINISHED_STOP_STR_KEY, FINISHED_STOP_TOKEN_KEY
 from draftwise.worker.core.outputs import RequestDelta, SpecStats
+from draftwise.worker.core.request import FinishedContinuation
 from draftwise.worker.sampling.constraints import Constraint
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SPECULATIVE_METHOD_NAMES, SamplingParams
@@ -209,3 +211,16 @@ def finished_from_delta(d: RequestDelta) -> pb.Finished:
         if m.total_time is not None:
             msg.timings.total_ms = m.total_time * 1000
     return msg
+
+
+def finished_metadata(e: ValueError) -> tuple[tuple[str, str | bytes], ...]:
+    """Trailing metadata for refusing a request with ``e``: why its output ended when ``e`` says the
+    continuation is a whole output (draftwise.wire), else none."""
+    if not isinstance(e, FinishedContinuation):
+        return ()
+    md: list[tuple[str, str | bytes]] = [(FINISHED_REASON_KEY, e.reason)]
+    if e.stop_token_id is not None:
+        md.append((FINISHED_STOP_TOKEN_KEY, str(e.stop_token_id)))
+    if e.stop_str is not None:
+        md.append((FINISHED_STOP_STR_KEY, e.stop_str.encode()))
+    return tuple(md)

@@ -47,6 +47,7 @@ from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.model.model_config import ModelLoadError
 from draftwise.worker.serving.proto_convert import (
     continuation_from_proto,
+    finished_metadata,
     prompt_from_proto,
     responses_from_delta,
     sampling_params_from_proto,
@@ -147,7 +148,7 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
                         yield resp
             except ValueError as e:  # the engine refused the request
                 bound.info("request rejected", reason=str(e))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), finished_metadata(e))
             except RequestFailedError as e:  # the engine failed this request alone; the others go on
                 bound.error("request failed", error=str(e))
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))

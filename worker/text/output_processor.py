@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from draftwise.worker.core.outputs import RequestDelta, RequestOutput, SpecStats
-from draftwise.worker.core.request import FinishReason, Request
+from draftwise.worker.core.request import FinishedContinuation, FinishReason, Request
 from draftwise.worker.sampling.sampler import TokenLogprobs
 from draftwise.worker.sampling.sampling_params import SamplingParams
 from draftwise.worker.text.detokenizer import IncrementalDetokenizer
@@ -69,9 +69,16 @@ class OutputProcessor:
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
         )
-        if continuation and detok.prime(continuation) is not None:
+        if continuation and detok.prime(continuation[:-1]) is not None:
             raise ValueError(
-                f"continuation is already finished: its text contains the stop string {detok.stop_matched!r}"
+                f"continuation is already finished: its text contains the stop string {detok.stop_matched!r} "
+                "before its last token (the output cannot go on after it)"
+            )
+        if continuation and detok.prime(continuation[-1:]) is not None:
+            raise FinishedContinuation(
+                f"continuation is already finished: its text contains the stop string {detok.stop_matched!r}",
+                "stop",
+                stop_str=detok.stop_matched,
             )
         self.detokenizers[req_id] = detok
 
