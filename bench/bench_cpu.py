@@ -52,7 +52,7 @@ from draftwise.worker.paths import resolve_model  # noqa: E402
 
 NEW = 128
 PROMPT = 64
-MODES = {"float32": ("F32", None), "fp16": ("F16", "fp16")}  # our mode -> (llama.cpp file type, --quantization)
+MODES = {"float32": ("F32", None), "fp16": ("F16", "fp16"), "int8": ("Q8_0", "int8")}  # ours -> (llama.cpp file, --quantization)
 
 
 def free_port() -> int:

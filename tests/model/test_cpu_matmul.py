@@ -95,6 +95,26 @@ def test_pack_round_trips_and_refuses_what_it_cannot_hold():
     assert not cpu_matmul.packs(40) and cpu_matmul.packs(48)
 
 
+def test_int8_packs_round_trip_and_need_their_scales():
+    w = torch.randn(48, 64)
+    panels, scales = cpu_matmul.pack_int8(w)
+    assert panels.shape == (3, 64, cpu_matmul.PANEL) and panels.dtype == torch.int8
+    assert scales.shape == (3, 64 // cpu_matmul.INT8_GROUP, cpu_matmul.PANEL) and scales.is_contiguous()
+    assert torch.equal(cpu_matmul.unpack(panels, scales), cpu_matmul.dequantize_int8(*cpu_matmul.quantize_int8(w)))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="int8 panels need their float32 scales"):
+        cpu_matmul.matmul(x, panels)  # no scales
+    with pytest.raises(ValueError, match="int8 panels need their float32 scales"):
+        cpu_matmul.matmul(x, panels, scales.transpose(1, 2).contiguous())  # the wrong layout
+    with pytest.raises(ValueError, match="int8 panels need their float32 scales"):
+        cpu_matmul.matmul(x, cpu_matmul.pack(w), scales)  # float panels take none
+    with pytest.raises(ValueError, match="not a multiple of the group"):
+        cpu_matmul.quantize_int8(torch.randn(48, 40))
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_matmul.pack_int8(torch.randn(40, 64))
+    assert cpu_matmul.packs_int8(48, 64) and not cpu_matmul.packs_int8(48, 40) and not cpu_matmul.packs_int8(40, 64)
+
+
 def _linear(out_features: int = 64, in_features: int = 32) -> tuple[Linear, torch.Tensor]:
     lin = Linear(in_features, out_features, bias=False)
     w = torch.randn(out_features, in_features)
@@ -158,7 +178,7 @@ def test_the_library_is_built_once_and_then_read_from_the_cache(monkeypatch, tmp
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
-@pytest.mark.parametrize("mode", [None, "fp16"])
+@pytest.mark.parametrize("mode", [None, "fp16", "int8"])
 def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
     from draftwise.worker import default_model_path
     from draftwise.worker.model.loader import cpu_products, load_model
@@ -166,5 +186,11 @@ def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
     loaded = load_model(default_model_path(), quantization=mode)
     assert cpu_products(loaded.model) == "draftwise kernel"
     monkeypatch.setenv(cpu_matmul.ENV, "0")
+    if mode == "int8":  # no torch fallback: refused in one line
+        from draftwise.worker.model.model_config import ModelLoadError
+
+        with pytest.raises(ModelLoadError, match="needs this package's CPU kernel"):
+            load_model(default_model_path(), quantization=mode)
+        return
     loaded = load_model(default_model_path(), quantization=mode)
     assert cpu_products(loaded.model) == f"torch ({cpu_matmul.ENV}=0)"

@@ -9,7 +9,7 @@ from pathlib import Path
 from draftwise.worker.paths import is_model_name
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
-QUANTIZATIONS = ("fp16",)  # draftwise.worker.model.cpu_weights (torch-free here)
+QUANTIZATIONS = ("fp16", "int8")  # draftwise.worker.model.cpu_weights (torch-free here)
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 LOOKUP_METHODS = ("suffix", "ngram")
 """What ``speculative_lookup`` takes: a lookup drafting beside a model drafter."""
@@ -28,7 +28,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
     quantization: str | None = (
-        None  # "fp16": CPU weights packed in float16 for fbgemm, float32 activations (docs/models.md); None: the dtype's weights
+        None  # "fp16" / "int8": CPU weights packed in float16 / int8 (per-channel scales), float32 activations (docs/models.md); None: the dtype's weights
     )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step

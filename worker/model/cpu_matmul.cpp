@@ -12,8 +12,9 @@
 // the panel from memory, later groups from the core's L2 (a panel is in * PANEL * 4 bytes:
 // 36-96 KiB for a 576-1536-wide model at float32).
 //
-// float32 and float16 weights (float16 converted in registers with F16C); activations and
-// accumulation are float32, summed in input order per output.
+// float32, float16 and int8 weights (float16 converted in registers with F16C; int8 sign-extended,
+// converted and scaled per group of 32 inputs and output); activations and accumulation are float32,
+// summed in input order per output.
 //
 // Threads: an OpenMP loop over panels, on the OpenMP runtime the process already has loaded
 // (PyTorch's: this file is linked against the same libgomp.so.1), with the thread count the
@@ -36,6 +37,12 @@ static inline void load_w(const float* p, __m256& w0, __m256& w1) {
 static inline void load_w(const uint16_t* p, __m256& w0, __m256& w1) {
     w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+static inline void load_w(const int8_t* p, __m256& w0, __m256& w1) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
 }
 
 // R rows (R <= ROWS_PER_PASS) times one panel: y[r, 0:PANEL] for each row r. The accumulators
@@ -87,6 +94,53 @@ static void matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t
     const int64_t panels = out / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t p = 0; p < panels; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
+}
+
+// int8 weights in groups of GROUP inputs, each group of a panel with its 16 float32 scales (one per output):
+// the weight is q * scale, formed in registers (exactly the float32 product unpack() gives) and used as the
+// float32 weight above.
+constexpr int GROUP = 32;
+
+template <int R>
+static void panel_rows_i8(const int8_t* panel, const float* scales, const float* x, int64_t ldx, int64_t in, float* y,
+                          int64_t ldy) {
+    static_assert(R >= 1 && R <= ROWS_PER_PASS, "rows per pass");
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    for (int64_t g = 0; g < in; g += GROUP) {
+        const __m256 s0 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL), s1 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL + 8);
+        for (int64_t k = g; k < g + GROUP; ++k) {
+            __m256 w0, w1;
+            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL), _MM_HINT_T0);
+            load_w(panel + k * PANEL, w0, w1);
+            w0 = _mm256_mul_ps(w0, s0);
+            w1 = _mm256_mul_ps(w1, s1);
+            DW_ROW(0) DW_ROW(1) DW_ROW(2) DW_ROW(3) DW_ROW(4) DW_ROW(5)
+        }
+    }
+    DW_STORE(0) DW_STORE(1) DW_STORE(2) DW_STORE(3) DW_STORE(4) DW_STORE(5)
+}
+
+static void matmul_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scales, int64_t out,
+                      float* y, int threads) {
+    const int64_t panels = out / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int8_t* panel = w + p * in * PANEL;
+        const float* sc = scales + p * (in / GROUP) * PANEL;
+        float* yp = y + p * PANEL;
+        int64_t r = 0;
+        for (; r + ROWS_PER_PASS <= rows; r += ROWS_PER_PASS)
+            panel_rows_i8<ROWS_PER_PASS>(panel, sc, x + r * in, in, in, yp + r * out, out);
+        switch (rows - r) {
+            case 5: panel_rows_i8<5>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
+            case 4: panel_rows_i8<4>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
+            case 3: panel_rows_i8<3>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
+            case 2: panel_rows_i8<2>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
+            case 1: panel_rows_i8<1>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
+            default: break;
+        }
+    }
 }
 
 // RMSNorm of one row: r = x + residual (residual null: r = x, res_out untouched), out = (r * s) * w
@@ -168,5 +222,12 @@ void dw_matmul_f32(const float* x, int64_t rows, int64_t in, const float* w, int
 // The same with w float16 (IEEE half, as uint16).
 void dw_matmul_f16(const float* x, int64_t rows, int64_t in, const uint16_t* w, int64_t out, float* y, int threads) {
     matmul(x, rows, in, w, out, y, threads);
+}
+
+// w int8 panels [out / 16, in, 16] with scales [out / 16, in / 32, 16] float32 (in % 32 == 0): y = x @ (q * scale).T.
+int dw_int8_group(void) { return GROUP; }
+void dw_matmul_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, int64_t out, float* y, int threads,
+                  const float* scales) {
+    matmul_i8(x, rows, in, w, scales, out, y, threads);
 }
 }

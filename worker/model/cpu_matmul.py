@@ -1,5 +1,5 @@
 """Weight-streaming products on CPU: this package's own AVX2 kernel (``cpu_matmul.cpp``) for
-``x @ W.T`` with float32 or float16 weights.
+``x @ W.T`` with float32, float16 or int8 weights (int8: a float32 scale per output and group of 32 inputs).
 
 A decode step multiplies one row, or a few (a verify pass of drafted tokens, a small batch), by
 every weight, so it costs what streaming the weights from memory costs. PyTorch's CPU products
@@ -109,6 +109,10 @@ def _load() -> ctypes.CDLL:
     for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
         fn.argtypes = [*args, ctypes.c_int]
         fn.restype = None
+    lib.dw_matmul_i8.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
+    lib.dw_matmul_i8.restype = None
+    if lib.dw_int8_group() != INT8_GROUP:
+        raise RuntimeError(f"the kernel's int8 group is {lib.dw_int8_group()}, this module's {INT8_GROUP}")
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.dw_rms_norm_f32.argtypes = [p, p, p, f32, i64, i64, p, p, ctypes.c_int]
     lib.dw_rms_norm_f32.restype = None
@@ -158,33 +162,94 @@ def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return w.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
 
 
-def unpack(panels: torch.Tensor) -> torch.Tensor:
-    """Panels ``[P, in, PANEL]`` -> ``[P * PANEL, in]`` float32 (a copy)."""
-    return panels.transpose(1, 2).reshape(-1, panels.shape[1]).to(torch.float32)
+INT8_GROUP = 32  # inputs per int8 scale (the kernel's dw_int8_group), as GGUF's Q8_0
 
 
-def matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for ``x`` ``[T, in]`` float32 and ``W``'s panels (``pack``): ``[T, out]``
-    float32. Only call when ``kernel()`` is not None."""
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` (``in`` a multiple of INT8_GROUP) -> (int8 ``[out, in]``, float32 scales ``[out, in /
+    INT8_GROUP]``): symmetric, per output and group of INT8_GROUP inputs, ``scale = max|w| / 127`` (1 for an
+    all-zero group), values rounded to nearest. The weight's value is ``q * scale``."""
+    w = weight.detach().to(torch.float32)
+    out_features, in_features = w.shape
+    if in_features % INT8_GROUP:
+        raise ValueError(f"int8: {in_features} inputs are not a multiple of the group of {INT8_GROUP}")
+    g = w.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
+    scale = g.abs().amax(dim=2) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_features, in_features)
+    return q, scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` ``[out, in]`` float32 (each scale over its group of INT8_GROUP inputs)."""
+    return q.to(torch.float32) * scale.repeat_interleave(INT8_GROUP, dim=1)
+
+
+def packs_int8(out_features: int, in_features: int) -> bool:
+    """Whether an ``[out, in]`` weight is packed as int8 for the kernel on this machine."""
+    return in_features % INT8_GROUP == 0 and packs(out_features)
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` -> int8 panels ``[out / PANEL, in, PANEL]`` and their scales ``[out / PANEL, in /
+    INT8_GROUP, PANEL]`` (``quantize_int8``), both contiguous."""
+    out_features, in_features = weight.shape
+    if out_features % PANEL:
+        raise ValueError(f"cannot pack a [{out_features}, {in_features}] weight as int8 panels of {PANEL}")
+    q, scale = quantize_int8(weight)
+    panels = q.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+    groups = in_features // INT8_GROUP
+    return panels, scale.reshape(out_features // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def unpack(panels: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Panels ``[P, in, PANEL]`` -> ``[P * PANEL, in]`` float32 (a copy; int8 panels times their ``scales``)."""
+    w = panels.transpose(1, 2).reshape(-1, panels.shape[1])
+    if scales is None:
+        return w.to(torch.float32)
+    return dequantize_int8(w, scales.transpose(1, 2).reshape(w.shape[0], -1))
+
+
+def matmul(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[T, in]`` float32 and ``W``'s panels (``pack``; int8 panels with
+    their per-output ``scales``, ``pack_int8``): ``[T, out]`` float32. Only call when ``kernel()``
+    is not None."""
     lib = kernel()
     if lib is None:
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
     num_panels, in_features, width = panels.shape
     if x.dim() != 2 or x.shape[1] != in_features or width != PANEL or not panels.is_contiguous():
         raise ValueError(f"matmul: x {list(x.shape)} against panels {list(panels.shape)}")
-    if panels.dtype not in (torch.float16, torch.float32):
+    if panels.dtype not in (torch.float16, torch.float32, torch.int8):
         raise ValueError(f"matmul: panels of {panels.dtype}")
+    int8 = panels.dtype == torch.int8
+    want = (num_panels, in_features // INT8_GROUP, PANEL)
+    if int8 != (scales is not None) or (
+        scales is not None
+        and (
+            in_features % INT8_GROUP
+            or scales.dtype != torch.float32
+            or tuple(scales.shape) != want
+            or not scales.is_contiguous()
+        )
+    ):
+        raise ValueError(f"matmul: int8 panels need their float32 scales {list(want)}, other panels none")
     x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], num_panels * PANEL, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
-    fn = lib.dw_matmul_f16 if panels.dtype == torch.float16 else lib.dw_matmul_f32
     args = (x.data_ptr(), x.shape[0], in_features, panels.data_ptr(), num_panels * PANEL, y.data_ptr())
+    if int8:
+        assert scales is not None
+        fn, extra = lib.dw_matmul_i8, (torch.get_num_threads(), scales.data_ptr())
+    else:
+        fn = lib.dw_matmul_f16 if panels.dtype == torch.float16 else lib.dw_matmul_f32
+        extra = (torch.get_num_threads(),)
     if torch.autograd.profiler._is_profiler_enabled:  # seen by torch's profiler (bench_profile, tests)
         with torch.profiler.record_function(PROFILER_NAME):
-            fn(*args, torch.get_num_threads())
+            fn(*args, *extra)
     else:
-        fn(*args, torch.get_num_threads())
+        fn(*args, *extra)
     return y
 
 

@@ -141,7 +141,7 @@ def load_model(
     """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file).
     ``parallel``: (rank, ranks, collectives) of a tensor-parallel rank; only the rank's shard
     (``draftwise.worker.model.sharding``) is read and held. ``quantization``: pack the projections
-    and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16";
+    and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16", "int8";
     float32 activations, so ``dtype`` must be float32)."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
@@ -253,7 +253,7 @@ def _check_quantization(folder: Path, mode: str, dtype: torch.dtype, device: tor
     except ValueError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
     if device.type != "cpu":
-        raise ModelLoadError(f"{folder}: quantization={mode!r} runs on CPU only (fbgemm), got device {device}")
+        raise ModelLoadError(f"{folder}: quantization={mode!r} runs on CPU only, got device {device}")
     if dtype != torch.float32:
         name = str(dtype).removeprefix("torch.")
         raise ModelLoadError(
