@@ -52,7 +52,11 @@ from draftwise.worker.paths import resolve_model  # noqa: E402
 
 NEW = 128
 PROMPT = 64
-MODES = {"float32": ("F32", None), "fp16": ("F16", "fp16"), "int8": ("Q8_0", "int8")}  # ours -> (llama.cpp file, --quantization)
+MODES = {
+    "float32": ("F32", None),
+    "fp16": ("F16", "fp16"),
+    "int8": ("Q8_0", "int8"),
+}  # ours -> (llama.cpp file, --quantization)
 
 
 def free_port() -> int:
@@ -280,6 +284,7 @@ def products(path: Path, threads: int) -> dict:
         raise SystemExit(f"the CPU kernel does not run here: {cpu_matmul.unavailable_reason()}")
     layers = load_model(path).model.linears()
     ours16 = load_model(path, quantization="fp16").model.linears()
+    ours8 = load_model(path, quantization="int8").model.linears()
     os.environ[cpu_matmul.ENV] = "0"  # laid out and packed for torch's products (read at load time)
     try:
         blocks = load_model(path).model.linears()
@@ -293,6 +298,7 @@ def products(path: Path, threads: int) -> dict:
         "float32 (torch, column blocks)": [m.product for m in blocks],
         "fp16 (draftwise kernel)": [m.product for m in ours16],
         "fp16 (fbgemm)": [m.product for m in fbgemm],
+        "int8, groups of 32 (draftwise kernel)": [m.product for m in ours8],
         "int8 dynamic (fbgemm, activations 7-bit)": [DynamicInt8(w).matmul for w in dense],
     }
     pack8 = [((w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8), w.abs().amax(1) / 127) for w in dense]
