@@ -363,7 +363,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="most tokens drafted per step (default: the engine's, 5)")
     ap.add_argument("--fixed-k", action="store_true", help="always draft exactly k (the adaptive policy off)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quantization", default=None, choices=["fp16"], help="CPU float16 weights for every engine")
+    ap.add_argument(
+        "--quantization", default=None, choices=["fp16", "int8"], help="CPU float16 or int8 weights for every engine"
+    )
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per level; each method keeps its fastest")
     ap.add_argument(
         "--quick",

@@ -322,12 +322,12 @@ def test_the_check_sees_a_weight_converted_per_step(monkeypatch):
 
 
 def test_a_float16_draft_beside_a_float32_target_is_exact_and_accepts_as_the_float_draft():
-    """speculative_quantization="fp16": only the draft is packed; greedy output is plain greedy's
-    (batched, chunked, preempted), and the draft's acceptance stays that of the float32 draft."""
+    """speculative_quantization="fp16" (or "int8"): only the draft is packed; greedy output is plain
+    greedy's (batched, chunked, preempted), and the draft's acceptance stays near the float32 draft's."""
     reqs = _requests(40, seed=8)
     alone = run_alone(reqs)
     accepted = {}
-    for mode in (None, "fp16"):
+    for mode in (None, "fp16", "int8"):
         engine = LLMEngine(
             _config(
                 speculative_model="default",
@@ -349,6 +349,7 @@ def test_a_float16_draft_beside_a_float32_target_is_exact_and_accepts_as_the_flo
         accepted[mode] = t["accepted"] / t["proposed"]
         engine.check_idle_invariants()
     assert accepted["fp16"] > 0 and abs(accepted["fp16"] - accepted[None]) <= 0.03, accepted
+    assert accepted["int8"] > 0 and abs(accepted["int8"] - accepted[None]) <= 0.06, accepted
 
 
 @pytest.mark.parametrize(
