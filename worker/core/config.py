@@ -28,7 +28,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
     quantization: str | None = (
-        None  # "fp16" / "int8": CPU weights packed in float16 / int8 (per-channel scales), float32 activations (docs/models.md); None: the dtype's weights
+        None  # "fp16" / "int8": CPU weights packed in float16 / int8 (a scale per output and 32 inputs), float32 activations (docs/models.md); None: the dtype's weights
     )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step
@@ -63,7 +63,7 @@ class EngineConfig:
         None  # "suffix" | "ngram": a lookup beside a draft model or Medusa heads, the more promising drafts each step
     )
     speculative_quantization: str | None = (
-        None  # "fp16": the draft model's weights packed as float16 (CPU), whatever the target's; None: as the target's
+        None  # "fp16" / "int8": the draft model's weights packed so (CPU), whatever the target's; None: as the target's
     )
 
     def __post_init__(self) -> None:
