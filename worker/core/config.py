@@ -47,6 +47,9 @@ class EngineConfig:
     tensor_parallel_size: int = (
         1  # rank processes one worker shards the target across (torch.distributed: gloo on CPU, NCCL on CUDA)
     )
+    decode_threads: int | None = (
+        None  # CPU: threads for steps of at most 32 tokens (decode, verify), all of them for larger ones; None: the same for all (serve: one fewer when the gateway shares the cores)
+    )
     # --- speculative decoding (docs/engine.md); all unset: no speculation
     speculative_model: str | Path | None = (
         None  # draft checkpoint folder, or "default": the embedded draft; eagle/medusa: a head folder (None: the head shipped for the target)
@@ -94,6 +97,14 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.decode_threads is not None:
+            if self.decode_threads < 1:
+                raise ValueError(f"decode_threads must be >= 1, got {self.decode_threads}")
+            if self.device != "cpu" or self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "decode_threads applies to one CPU process (device cpu, tensor_parallel_size 1): "
+                    f"got device {self.device}, tensor_parallel_size {self.tensor_parallel_size}"
+                )
         if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
             raise ValueError(
                 f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], got {self.tensor_parallel_size}"

@@ -104,6 +104,7 @@ class LLMEngine:
         )
         clock.done("kv_cache_s")
         self.runner = ModelRunner(self.loaded, self.kv_cache, peers=self.ranks)
+        self.runner.decode_threads = config.decode_threads
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec: SpecDecoder | None = SpecDecoder.build(config, draft, self.loaded, num_blocks, self.max_model_len)
         self.spec_method: str | None = None if self.spec is None else self.spec.method

@@ -14,7 +14,7 @@
 //
 // float32, float16 and int8 weights (float16 converted in registers with F16C; int8 sign-extended,
 // converted and scaled per group of 32 inputs and output); activations and accumulation are float32,
-// summed in input order per output.
+// summed in blocks of KBLOCK inputs (each in input order), the blocks' sums added in order.
 //
 // Threads: an OpenMP loop over panels, on the OpenMP runtime the process already has loaded
 // (PyTorch's: this file is linked against the same libgomp.so.1), with the thread count the
@@ -59,19 +59,39 @@ static inline void load_w(const int8_t* p, __m256& w0, __m256& w1) {
         _mm256_storeu_ps(y + r * ldy, a##r##0);      \
         _mm256_storeu_ps(y + r * ldy + 8, a##r##1);  \
     }
+#define DW_ADD(r)                                                                              \
+    if constexpr (R > r) {                                                                     \
+        _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy), a##r##0));  \
+        _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy + 8), a##r##1)); \
+    }
+#define DW_ZERO                                                                    \
+    a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00; \
+    a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+#define DW_DECLARE __m256 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
+#define DW_FLUSH(first)                                                             \
+    if (first) { DW_STORE(0) DW_STORE(1) DW_STORE(2) DW_STORE(3) DW_STORE(4) DW_STORE(5) } \
+    else { DW_ADD(0) DW_ADD(1) DW_ADD(2) DW_ADD(3) DW_ADD(4) DW_ADD(5) }
+
+// Blocked summation: each block of KBLOCK inputs is summed in fresh accumulators (in input order)
+// and added to the row's total in y, so that the rounding error grows with KBLOCK + in / KBLOCK
+// rather than with in (BLAS's products are blocked alike; tests/numerics.py holds ours to theirs).
+constexpr int KBLOCK = 128;
 
 template <int R, typename W>
 static void panel_rows(const W* panel, const float* x, int64_t ldx, int64_t in, float* y, int64_t ldy) {
     static_assert(R >= 1 && R <= ROWS_PER_PASS, "rows per pass");
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-    for (int64_t k = 0; k < in; ++k) {
-        __m256 w0, w1;
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PREFETCH) * PANEL), _MM_HINT_T0);
-        load_w(panel + k * PANEL, w0, w1);
-        DW_ROW(0) DW_ROW(1) DW_ROW(2) DW_ROW(3) DW_ROW(4) DW_ROW(5)
+    DW_DECLARE
+    for (int64_t k0 = 0; k0 < in; k0 += KBLOCK) {
+        const int64_t k1 = k0 + KBLOCK < in ? k0 + KBLOCK : in;
+        DW_ZERO
+        for (int64_t k = k0; k < k1; ++k) {
+            __m256 w0, w1;
+            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PREFETCH) * PANEL), _MM_HINT_T0);
+            load_w(panel + k * PANEL, w0, w1);
+            DW_ROW(0) DW_ROW(1) DW_ROW(2) DW_ROW(3) DW_ROW(4) DW_ROW(5)
+        }
+        DW_FLUSH(k0 == 0)
     }
-    DW_STORE(0) DW_STORE(1) DW_STORE(2) DW_STORE(3) DW_STORE(4) DW_STORE(5)
 }
 
 template <typename W>
@@ -105,20 +125,25 @@ template <int R>
 static void panel_rows_i8(const int8_t* panel, const float* scales, const float* x, int64_t ldx, int64_t in, float* y,
                           int64_t ldy) {
     static_assert(R >= 1 && R <= ROWS_PER_PASS, "rows per pass");
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-    for (int64_t g = 0; g < in; g += GROUP) {
-        const __m256 s0 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL), s1 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL + 8);
-        for (int64_t k = g; k < g + GROUP; ++k) {
-            __m256 w0, w1;
-            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL), _MM_HINT_T0);
-            load_w(panel + k * PANEL, w0, w1);
-            w0 = _mm256_mul_ps(w0, s0);
-            w1 = _mm256_mul_ps(w1, s1);
-            DW_ROW(0) DW_ROW(1) DW_ROW(2) DW_ROW(3) DW_ROW(4) DW_ROW(5)
+    static_assert(KBLOCK % GROUP == 0, "blocks of whole groups");
+    DW_DECLARE
+    for (int64_t k0 = 0; k0 < in; k0 += KBLOCK) {
+        const int64_t k1 = k0 + KBLOCK < in ? k0 + KBLOCK : in;
+        DW_ZERO
+        for (int64_t g = k0; g < k1; g += GROUP) {
+            const __m256 s0 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL);
+            const __m256 s1 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL + 8);
+            for (int64_t k = g; k < g + GROUP; ++k) {
+                __m256 w0, w1;
+                _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL), _MM_HINT_T0);
+                load_w(panel + k * PANEL, w0, w1);
+                w0 = _mm256_mul_ps(w0, s0);
+                w1 = _mm256_mul_ps(w1, s1);
+                DW_ROW(0) DW_ROW(1) DW_ROW(2) DW_ROW(3) DW_ROW(4) DW_ROW(5)
+            }
         }
+        DW_FLUSH(k0 == 0)
     }
-    DW_STORE(0) DW_STORE(1) DW_STORE(2) DW_STORE(3) DW_STORE(4) DW_STORE(5)
 }
 
 static void matmul_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scales, int64_t out,

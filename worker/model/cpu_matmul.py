@@ -22,8 +22,9 @@ before, and ``unavailable_reason()`` says why. It runs its threads on PyTorch's 
 runtime (linked by soname against the ``libgomp.so.1`` torch has loaded), with
 ``torch.get_num_threads()`` threads.
 
-Results: float32 accumulation in input order per output, so they differ from torch's in
-rounding only (tests/model/test_cpu_matmul.py bounds it).
+Results: float32 accumulation, in blocks of 128 inputs (each summed in input order, the blocks'
+sums added in order), so they differ from torch's in rounding only, and by no more than BLAS's
+own products differ from exact (tests/numerics.py; tests/model/test_cpu_matmul.py).
 
 The library has two of a layer's small ops too (``rope_``, ``rms_norm``): one call each instead of
 the handful of torch ops, and their Python overhead, they replace (tests/model/test_cpu_ops.py).

@@ -26,6 +26,11 @@ from draftwise.worker.model.loader import LoadedModel
 
 log = structlog.get_logger("draftwise.runner")
 
+DECODE_STEP_TOKENS = 32
+"""Steps of at most this many tokens (decode, verify) run on ``ModelRunner.decode_threads`` threads on
+CPU: they stream the weights and gain little from more threads, while a gateway sharing the cores
+stalls every thread of the team it preempts."""
+
 RANK_EXIT_WAIT_S = 2.0
 """How long a failed tensor-parallel step waits for a dead rank's exit to be recorded, to name it
 (its closed connection can fail the collective before its process is reaped)."""
@@ -56,6 +61,8 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None  # set by enable_graphs on CUDA
         self.block_tables = BlockTableRows(self.device)
         """The block tables of the sequences this runner reads, kept on the device between steps."""
+        self.decode_threads: int | None = None
+        """CPU: torch threads for steps of at most DECODE_STEP_TOKENS tokens (None: as for any step)."""
 
     @property
     def block_size(self) -> int:
@@ -157,7 +164,18 @@ class ModelRunner:
 
     def _run_eager(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor]:  # [L, vocab] float32, [N, hidden]
         """``batch`` uploaded as it is (one copy per dtype), over the persistent block-table
-        rows: the logits asked for and the hidden states of every token."""
+        rows: the logits asked for and the hidden states of every token; a small step on CPU on
+        ``decode_threads`` threads (the thread count restored after it)."""
+        few, full = self.decode_threads, torch.get_num_threads()
+        if few is None or few >= full or self.device.type != "cpu" or batch.num_tokens > DECODE_STEP_TOKENS:
+            return self._eager(batch)
+        torch.set_num_threads(few)
+        try:
+            return self._eager(batch)
+        finally:
+            torch.set_num_threads(full)
+
+    def _eager(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor]:
         dev = batch.upload(self.device)
         tables = self.block_tables.gather(batch.block_tables)  # [S, W] int32
         meta = AttentionMetadata.for_batch(batch, dev, tables, self.block_size)

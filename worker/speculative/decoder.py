@@ -133,6 +133,7 @@ class SpecDecoder:
             proposer = _lookup(config, "suffix")
         elif draft is not None:
             proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab, config.enable_prefix_caching)
+            proposer.runner.decode_threads = config.decode_threads  # (its steps are small too)
         else:
             proposer = _lookup(config, "ngram")
         if config.speculative_lookup is not None:
