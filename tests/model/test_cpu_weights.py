@@ -181,23 +181,30 @@ def test_smollm2_int8_logits_stay_within_the_documented_tolerance():
     assert agree >= INT8_AGREEMENT, (agree, positions)
 
 
-@pytest.fixture(scope="module")
-def fp16_workload():
-    reqs = _requests(40, seed=7)
-    return reqs, run_alone(reqs, quantization="fp16")
+_WORKLOADS: dict[str, tuple] = {}
+
+
+def _workload(mode: str) -> tuple:
+    """The requests and their plain greedy tokens alone in ``mode`` (made once per mode)."""
+    if mode not in _WORKLOADS:
+        reqs = _requests(40, seed=7)
+        _WORKLOADS[mode] = reqs, run_alone(reqs, quantization=mode)
+    return _WORKLOADS[mode]
 
 
 FIXED_K = {"num_speculative_tokens": 4, "speculative_adaptive": False}  # drafts every step, so that some are accepted
+DRAFT = {"speculative_model": "default", **FIXED_K}
 
 
 @pytest.mark.parametrize(
-    "spec", [{}, {"speculative_model": "default", **FIXED_K}, {"speculative_method": "ngram", **FIXED_K}]
+    ("mode", "spec"),
+    [("fp16", {}), ("fp16", DRAFT), ("fp16", {"speculative_method": "ngram", **FIXED_K}), ("int8", DRAFT)],
 )
-def test_fp16_greedy_is_exact_batched_with_speculation_chunking_and_preemption(fp16_workload, spec):
-    reqs, alone = fp16_workload
+def test_greedy_is_exact_in_the_mode_batched_with_speculation_chunking_and_preemption(mode, spec):
+    reqs, alone = _workload(mode)
     engine = LLMEngine(
         _config(
-            quantization="fp16",
+            quantization=mode,
             max_num_batched_tokens=48,
             max_num_seqs=12,
             num_kv_blocks=40,  # forces preemption
@@ -210,26 +217,6 @@ def test_fp16_greedy_is_exact_batched_with_speculation_chunking_and_preemption(f
     assert not mismatched, f"{len(mismatched)} requests differ, e.g. {mismatched[:5]}"
     if spec:
         assert engine.spec_totals["accepted"] > 0, engine.spec_totals
-    engine.check_idle_invariants()
-
-
-def test_int8_greedy_is_exact_batched_with_speculation_chunking_and_preemption():
-    reqs = _requests(24, seed=9)
-    alone = run_alone(reqs, quantization="int8")
-    engine = LLMEngine(
-        _config(
-            quantization="int8",
-            max_num_batched_tokens=48,
-            max_num_seqs=12,
-            num_kv_blocks=40,  # forces preemption
-            speculative_model="default",
-            **FIXED_K,
-        )
-    )
-    together = run_together(reqs, engine)
-    assert engine.scheduler.num_preemptions > 0
-    assert [rid for rid in alone if together[rid] != alone[rid]] == []
-    assert engine.spec_totals["accepted"] > 0, engine.spec_totals
     engine.check_idle_invariants()
 
 
