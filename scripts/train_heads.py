@@ -30,11 +30,15 @@ import argparse
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from head_card import write_card  # noqa: E402
 
 from draftwise.worker.model.loader import load_model
 from draftwise.worker.model.rope import RotaryEmbedding
@@ -42,12 +46,15 @@ from draftwise.worker.paths import resolve_model
 from draftwise.worker.speculative.heads import EagleHead, MedusaHeads, head_model_config, save_head
 
 
-def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
+def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt", layers: Path | None = None) -> list[dict]:
     """Sequences: tokens [L] int64, feats [L - 1, H] float16, prompt length, temperature; from
-    the generated shards (``shard_NNN.pt``) and then the teacher-forced ones (``text_NNN.pt``)."""
+    the generated shards (``shard_NNN.pt``) and then the teacher-forced ones (``text_NNN.pt``).
+    ``layers``: a folder of ``scripts/layer_feats.py`` shards of the same names; each sequence
+    then has ``aux`` [L - 1, n, H] float16 too, the feature layers' streams."""
     seqs = []
     for path in sorted(folder.glob(shards)):
         d = torch.load(path)
+        aux = None if layers is None else torch.load(layers / path.name)["feats"]
         at_t = at_f = 0
         for n, p, temp in zip(d["lengths"], d["prompt_lengths"], d["temperatures"], strict=True):
             seqs.append(
@@ -57,6 +64,7 @@ def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
                     "file": path.name,
                     "tokens": d["tokens"][at_t : at_t + n].long(),
                     "feats": d["feats"][at_f : at_f + n - 1],
+                    **({} if aux is None else {"aux": aux[at_f : at_f + n - 1]}),
                     "prompt": p,
                     "temperature": temp,
                 }
@@ -69,9 +77,9 @@ def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt") -> list[dict]:
 HELD_OUT = "shard_000.pt"  # the first shard of generated answers: never trained on
 
 
-def training_data(folder: Path) -> list[dict]:
+def training_data(folder: Path, layers: Path | None = None) -> list[dict]:
     """Every sequence of ``folder``'s shards but the held-out shard's (``HELD_OUT``) and evaluation answers'."""
-    return [s for s in load_data(folder) if s["file"] != HELD_OUT and not s["file"].startswith("eval_")]
+    return [s for s in load_data(folder, layers=layers) if s["file"] != HELD_OUT and not s["file"].startswith("eval_")]
 
 
 def crop(seqs: list[dict], keep: int | None) -> list[dict]:
@@ -83,6 +91,8 @@ def crop(seqs: list[dict], keep: int | None) -> list[dict]:
     for s in seqs:
         cut = max(0, s["prompt"] - keep)
         out.append({**s, "tokens": s["tokens"][cut:], "feats": s["feats"][cut:], "prompt": s["prompt"] - cut})
+        if "aux" in s:
+            out[-1]["aux"] = s["aux"][cut:]
     return out
 
 
@@ -132,18 +142,24 @@ def batches(seqs: list[dict], tokens_per_batch: int, rng: torch.Generator) -> li
 def pad_batch(batch: list[dict], hidden: int) -> dict[str, torch.Tensor]:
     """Positions t = 0..T-1 (T = longest L - 1): input token x_t, target feature f_t, the
     previous feature f_{t-1} (0 at t = 0) and whether t is an answer position (predicts
-    x_{t+1} with t + 1 >= P)."""
+    x_{t+1} with t + 1 >= P). With feature layers (``aux``), ``prev`` holds the target's whole
+    row at t - 1: f, then each layer's stream."""
     t_max = max(len(s["tokens"]) - 1 for s in batch)
     b = len(batch)
+    n_aux = batch[0]["aux"].shape[1] if "aux" in batch[0] else 0
     x = torch.zeros(b, t_max, dtype=torch.long)
     f = torch.zeros(b, t_max, hidden)
+    rows = torch.zeros(b, t_max, (1 + n_aux) * hidden)
     mask = torch.zeros(b, t_max, dtype=torch.bool)
     for i, s in enumerate(batch):
         n = len(s["tokens"]) - 1
         x[i, :n] = s["tokens"][:n]
         f[i, :n] = s["feats"][:n].float()
+        rows[i, :n, :hidden] = f[i, :n]
+        if n_aux:
+            rows[i, :n, hidden:] = s["aux"][:n].float().reshape(n, n_aux * hidden)
         mask[i, max(0, s["prompt"] - 1) : n] = True
-    prev = torch.cat([torch.zeros(b, 1, hidden), f[:, :-1]], dim=1)
+    prev = torch.cat([torch.zeros(b, 1, rows.shape[-1]), rows[:, :-1]], dim=1)
     return {"x": x, "f": f, "prev": prev, "mask": mask}
 
 
@@ -158,7 +174,7 @@ def eagle_loss(
     m = bt["mask"]
     t_logits = teacher.logits(bt["f"][m])
     t_top = t_logits.argmax(-1)
-    feats, total, accs, past = bt["prev"], 0.0, [], []
+    feats, total, accs, past = head.fused(bt["prev"]), 0.0, [], []
     for j in range(unroll):
         g, kv = head.train_pass(emb, feats, rope, past)
         past.append(kv)
@@ -194,80 +210,6 @@ def chain_length(accs: list[float]) -> float:
     return out
 
 
-def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
-    """The head's model card: what it is for, the data, the recipe, the figures of its run."""
-    data, vocab, recipe = t["data"], t["draft_vocab"], t["recipe"]
-    what = (
-        "one decoder layer over [embedding of x_t; target feature f_{t-1}], its own KV cache"
-        if kind == "eagle"
-        else f"{recipe['num_heads']} residual blocks on the target's last hidden state, head i drafting i + 1 tokens ahead"
-    )
-    lines = [
-        f"# {kind.upper()} draft head for {target}",
-        "",
-        f"A draft head that reads {target}'s final hidden states ({what}), sharing its embedding and LM head",
-        f"restricted to a draft vocabulary of {vocab['size']} tokens. Load it with `--speculative-method {kind}`",
-        "(found automatically for this target) or `--speculative-model <this folder>`; it is refused for any other",
-        "target (`draftwise_head.json` holds the target's fingerprint). Output is exactly the target's: every draft",
-        "is verified by exact rejection sampling.",
-        "",
-        "## Data",
-        "",
-        f"- {data['sequences']} training answers ({data['answer_tokens']} tokens), {data['held_out_sequences']} held out;",
-        f"- source: {data['source']}: the target's own answers (self-distillation), greedy for 60% of prompts and",
-        "  temperature 0.7 for the rest, with its final hidden state at every position;",
-        f"- of these, {data.get('teacher_forced_sequences', 0)} answers ({data.get('teacher_forced_answer_tokens', 0)} tokens) are written",
-        "  text the target read but did not write (`distill_heads_data.py --teacher-forced`: standard-library",
-        "  source, module docstrings, installed packages' descriptions); the teacher is still the target's own",
-        "  distribution at each position;",
-        "- prompts: Python standard-library functions (explain, write, test, review), instruction templates over",
-        "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded;",
-        f"- of the generated answers, {data.get('broad_sequences', 0)} ({data.get('broad_answer_tokens', 0)} tokens) answer the broad",
-        "  families (`head_prompts.py --broad`, `distill_heads_data.py --prompts broad`): everyday advice and",
-        "  explanations, short messages, code tasks in ten languages and programming questions, varied word problems",
-        "  and logic;",
-        (
-            f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them."
-            if not recipe.get("init")
-            else f"- draft vocabulary: the {vocab['size']} tokens of the head this run went on from (`{recipe['init']}`), "
-            f"covering {vocab['answer_token_coverage']:.1%} of the generated answers."
-        ),
-        "",
-        "## Recipe",
-        "",
-        "scripts/train_heads.py (see its docstring) with:",
-        "",
-        "```",
-        json.dumps(recipe, indent=1),
-        "```",
-        "",
-        f"{t['steps']} steps, {t['epochs']} epochs, {t['minutes']} minutes on {t['machine']}"
-        + (
-            f", going on from `{recipe['init']}` (its card: what it was trained on before)."
-            if recipe.get("init")
-            else "."
-        ),
-        "",
-        "## Figures (held-out answers)",
-        "",
-        f"- top-1 agreement with the target per drafted position: {t['held_out_top1_per_position']}",
-        f"- implied chain length at temperature 0 (tokens per target pass): {t['held_out_chain_length_t0']}",
-        *(
-            [
-                f"- on the target's greedy answers to the {t['eval_prompts_answers']} evaluation prompts "
-                "(bench/head_eval_prompts.py; never trained on): top-1 per drafted position "
-                f"{t['eval_prompts_top1_per_position']}, implied chain length {t['eval_prompts_chain_length_t0']}",
-            ]
-            if "eval_prompts_top1_per_position" in t
-            else []
-        ),
-        "",
-        "Measured speedups and accepted lengths on the held-out evaluation prompts: docs/benchmarks.md.",
-        "",
-    ]
-    (folder / "README.md").write_text("\n".join(lines))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kind", choices=("eagle", "medusa"), required=True)
@@ -286,6 +228,15 @@ def main() -> None:
     )
     ap.add_argument("--reg", type=float, default=0.2)
     ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument(
+        "--feature-layers",
+        default="",
+        help="EAGLE-3: target layers (0-based, comma-separated) whose output streams the head fuses with the final "
+        "state; their features come from --layer-feats",
+    )
+    ap.add_argument(
+        "--layer-feats", type=Path, default=None, help="a folder of scripts/layer_feats.py shards (data and eval)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--init", type=Path, default=None, help="start from this head folder's weights (same kind and target)"
@@ -306,15 +257,20 @@ def main() -> None:
     target = load_model(resolve_model(args.model), dtype="float32")
     cfg = target.config
     # training data is read again at every epoch (a distillation run still writing shards feeds it)
-    val = crop(load_data(args.data, HELD_OUT), args.crop_prompt)
-    train = crop(training_data(args.data), args.crop_prompt)
+    feature_layers = [int(i) for i in args.feature_layers.split(",") if i]
+    layers = args.layer_feats if feature_layers else None
+    if feature_layers and (layers is None or torch.load(next(layers.glob("*.pt")))["layers"] != feature_layers):
+        raise SystemExit(f"--feature-layers {feature_layers} needs --layer-feats shards of exactly those layers")
+    val = crop(load_data(args.data, HELD_OUT, layers), args.crop_prompt)
+    train = crop(training_data(args.data, layers), args.crop_prompt)
     generated = [s for s in train if s["source"] == "generated"]  # the vocabulary of the target's own answers
     draft_ids, coverage = draft_vocabulary(generated or train, args.draft_vocab, cfg.vocab_size)
     teacher = Teacher(target.model, draft_ids)
     module: EagleHead | MedusaHeads
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, 4096)
     if args.kind == "eagle":
-        module = EagleHead(head_model_config(cfg))
+        module = EagleHead(head_model_config(cfg), feature_layers)
+        module.init_fuse()
         last = target.model.layers[-1]  # the layer starts as the target's last one
         for name, sub in module.layer.named_modules():
             src = last.get_submodule(name) if name else last
@@ -337,13 +293,15 @@ def main() -> None:
         args.draft_vocab = int(draft_ids.numel())  # the card records the vocabulary in use and its coverage
         counts = answer_counts(generated or train, cfg.vocab_size)
         coverage = float(counts[draft_ids].sum() / counts.sum())
-        module.load_state_dict({k: v.float() for k, v in saved.items()})
+        missing, unexpected = module.load_state_dict({k: v.float() for k, v in saved.items()}, strict=False)
+        if unexpected or set(missing) - {"fuse.weight"}:  # (a head without feature layers may seed one with them)
+            raise SystemExit(f"--init {args.init}: not this {args.kind} head's shape ({missing}, {unexpected})")
     for p in module.parameters():
         p.requires_grad_(True)
     module.train()
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)
     val_batches = [pad_batch(b, cfg.hidden_size) for b in batches(val, args.tokens_per_batch, rng)]
-    eval_seqs = crop(load_data(args.eval_data, "eval_*.pt"), args.crop_prompt) if args.eval_data else []
+    eval_seqs = crop(load_data(args.eval_data, "eval_*.pt", layers), args.crop_prompt) if args.eval_data else []
     eval_batches = [pad_batch(b, cfg.hidden_size) for b in batches(eval_seqs, args.tokens_per_batch, rng)]
 
     def evaluate(on: list[dict[str, torch.Tensor]] | None = None) -> list[float]:
@@ -365,7 +323,7 @@ def main() -> None:
     steps_done, epoch, history = 0, 0, []
     while epoch < args.max_epochs and time.perf_counter() - t0 < budget:
         if epoch:
-            train = crop(training_data(args.data), args.crop_prompt)
+            train = crop(training_data(args.data, layers), args.crop_prompt)
         epoch_batches = batches(train, args.tokens_per_batch, rng)
         for b in epoch_batches:
             el = time.perf_counter() - t0

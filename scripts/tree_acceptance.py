@@ -35,7 +35,7 @@ from train_heads import Teacher, batches, crop, load_data, pad_batch
 from draftwise.worker.model.loader import load_model
 from draftwise.worker.model.rope import RotaryEmbedding
 from draftwise.worker.paths import HEADS_DIR, resolve_model
-from draftwise.worker.speculative.heads import EagleHead, head_model_config
+from draftwise.worker.speculative.heads import EagleHead, HeadConfig, head_model_config
 
 MISS = 1 << 30
 """The rank of a token outside the draft vocabulary: never proposed."""
@@ -56,7 +56,7 @@ def rank_paths(head: EagleHead, teacher: Teacher, rope: RotaryEmbedding, seqs: l
                 n = len(s["tokens"]) - 1
                 nxt[i, :n] = s["tokens"][1 : n + 1]
             want = teacher.remap[nxt]  # its index in the draft vocabulary, -1 outside
-            emb, feats, past, ranks = teacher.emb[x], bt["prev"], [], []
+            emb, feats, past, ranks = teacher.emb[x], head.fused(bt["prev"]), [], []
             for _ in range(depth):
                 g, kv = head.train_pass(emb, feats, rope, past)
                 past.append(kv)
@@ -122,13 +122,17 @@ def main() -> None:
     ap.add_argument("--max-rank", type=int, default=8, help="children considered per node")
     ap.add_argument("--crop-prompt", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--layer-feats", type=Path, default=None, help="feature layers' shards, for an EAGLE-3 head")
     args = ap.parse_args()
     target = load_model(resolve_model(args.model), dtype="float32")
     cfg = target.config
     folder = args.head or HEADS_DIR / f"{args.model}-eagle"
     saved = load_file(str(folder / "head.safetensors"))
     draft_ids = saved.pop("draft_ids").long()
-    head = EagleHead(head_model_config(cfg))
+    layers = HeadConfig.read(folder).feature_layers
+    if layers and args.layer_feats is None:
+        raise SystemExit(f"{folder} fuses layers {layers}: pass --layer-feats (scripts/layer_feats.py shards)")
+    head = EagleHead(head_model_config(cfg), layers)
     head.load_state_dict({k: v.float() for k, v in saved.items()})
     head.eval()
     teacher = Teacher(target.model, draft_ids)
@@ -137,8 +141,9 @@ def main() -> None:
     def greedy(seqs: list[dict]) -> list[dict]:
         return crop([s for s in seqs if s["temperature"] == 0.0], args.crop_prompt)
 
-    choose = rank_paths(head, teacher, rope, greedy(load_data(args.choose_data, args.choose_shards)), args.depth)
-    measure = rank_paths(head, teacher, rope, greedy(load_data(args.eval_data, "eval_*.pt")), args.depth)
+    aux = args.layer_feats if layers else None
+    choose = rank_paths(head, teacher, rope, greedy(load_data(args.choose_data, args.choose_shards, aux)), args.depth)
+    measure = rank_paths(head, teacher, rope, greedy(load_data(args.eval_data, "eval_*.pt", aux)), args.depth)
     print(f"head {folder}: {len(choose)} start positions to choose trees on, {len(measure)} to measure on")
     rows = []
     for k in range(1, args.depth + 1):

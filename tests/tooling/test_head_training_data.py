@@ -50,3 +50,28 @@ def test_the_held_out_shard_is_never_trained_on(tmp_path: Path) -> None:
     s = by_first[3000]
     assert s["tokens"].tolist() == list(range(3000, 3007)) and s["prompt"] == 2
     assert s["feats"].shape == (6, 4) and float(s["feats"][0, 0]) == 3000.0
+
+
+def test_feature_layer_shards_follow_their_sequences_into_batches(tmp_path: Path) -> None:
+    """``--layer-feats`` shards (scripts/layer_feats.py) give each sequence its layers' streams,
+    cropped with it; a batch's ``prev`` row at t is [f_{t-1}; stream_a(t-1); stream_b(t-1)]
+    (zeros at t = 0), the final state alone without them."""
+    data, layers = tmp_path / "data", tmp_path / "layers"
+    data.mkdir()
+    layers.mkdir()
+    _shard(data / "broad_000.pt", 3000, [7, 5], [3, 2])
+    n = 6 + 4
+    aux = torch.stack([torch.arange(n) + 100.0, torch.arange(n) + 200.0], dim=1)  # [positions, 2 layers]
+    torch.save({"layers": [1, 2], "feats": aux[:, :, None].expand(n, 2, 4).to(torch.float16)}, layers / "broad_000.pt")
+    seqs = train_heads.load_data(data, "broad_*.pt", layers)
+    assert [s["aux"].shape for s in seqs] == [(6, 2, 4), (4, 2, 4)]
+    assert float(seqs[1]["aux"][0, 0, 0]) == 106.0 and float(seqs[1]["aux"][0, 1, 0]) == 206.0
+    cropped = train_heads.crop(seqs, 1)  # the first sequence loses 2 prompt tokens, the second 1
+    assert float(cropped[0]["aux"][0, 0, 0]) == 102.0 and float(cropped[1]["aux"][0, 1, 0]) == 207.0
+    bt = train_heads.pad_batch(cropped, 4)
+    prev = bt["prev"]
+    assert prev.shape == (2, 4, 12)
+    assert prev[0, 0].abs().sum() == 0  # nothing before the first position
+    assert prev[0, 1].tolist() == [3000.0] * 4 + [102.0] * 4 + [202.0] * 4
+    assert prev[1, 1].tolist() == [3000.0] * 4 + [107.0] * 4 + [207.0] * 4
+    assert train_heads.pad_batch(train_heads.load_data(data, "broad_*.pt"), 4)["prev"].shape[-1] == 4

@@ -124,7 +124,7 @@ class GraphRunner:
         self._np_i64 = self._host_i64.numpy()
         self._np_i32 = self._host_i32.numpy()
         dtype = model.embed_tokens.weight.dtype
-        self._hidden = torch.zeros(max_t, model.config.hidden_size, dtype=dtype, device=self.device)  # [T_max, hidden]
+        self._hidden = torch.zeros(max_t, model.feature_width, dtype=dtype, device=self.device)  # [T_max, width]
         self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         self._copied: torch.cuda.Event | None = None
         self.pool = pool

@@ -253,6 +253,9 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
         self._lm_head: Linear | None = None  # a tied LM head laid out on CPU (set_cpu_layout), unregistered
+        self.feature_layers: tuple[int, ...] = ()
+        """Layers whose output stream :meth:`forward` returns too, after the final hidden state (an
+        EAGLE-3 head fuses them; set before graphs are captured)."""
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -345,18 +348,28 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:  # [T, hidden]
+    ) -> torch.Tensor:  # [T, feature_width]: the final hidden state, then feature_layers' streams
         x = self._embed(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual = None
-        for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+        streams = []
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, cos_sin, kc, vc, meta, backend)
+            if i in self.feature_layers:
+                streams.append(x + residual)
         x, _ = self.norm(x, residual)
-        return x
+        return torch.cat([x, *streams], dim=-1) if streams else x
+
+    @property
+    def feature_width(self) -> int:
+        """Columns of :meth:`forward`'s rows: the hidden size, once more per feature layer."""
+        return self.config.hidden_size * (1 + len(self.feature_layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         """The logits of ``hidden``'s rows; under tensor parallelism every rank computes its
         vocabulary columns and rank 0 gets them all (the other ranks an empty tensor)."""
+        if hidden.shape[-1] != self.config.hidden_size:  # rows of forward with feature layers: the final state first
+            hidden = hidden[:, : self.config.hidden_size].contiguous()
         head = self._lm_head if self._lm_head is not None else self.lm_head
         logits = F.linear(hidden, self._embedding_dense()) if head is None else head(hidden)
         if self.comm is not None:

@@ -10,7 +10,10 @@ sampling stays exact).
 - **EAGLE** (:class:`EagleHead`): one decoder layer over ``fc([embed(x_t); f_{t-1}])`` at
   position ``t`` (``f_{-1} = 0``), its own KV cache, output ``g_t = norm(layer(...))`` ≈ ``f_t``;
   the draft distribution of ``x_{t+1}`` is ``softmax(g_t W_d^T)``. Drafting feeds ``g_t`` back
-  as the next position's feature, autoregressively.
+  as the next position's feature, autoregressively. With ``feature_layers`` (EAGLE-3), the
+  target's feature is ``fuse([f_t; n(s_a,t); n(s_b,t)...])`` instead: the output streams of
+  earlier layers ``a, b...`` (each RMS-normalised) fused with the final state by one linear
+  map; the target's forward pass returns those streams beside ``f`` (``LlamaModel.feature_layers``).
 - **Medusa** (:class:`MedusaHeads`): ``K`` residual blocks on ``f_t``; head ``i`` (1-based)
   gives ``x_{t+1+i}``: ``softmax((f_t + SiLU(W_i f_t + b_i)) W_d^T)``.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +96,7 @@ class HeadConfig:
     fingerprint: dict[str, int | float]  # target_fingerprint of that target
     draft_vocab_size: int  # rows of the draft vocabulary
     num_heads: int = 0  # Medusa: heads (positions drafted at most)
+    feature_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE: target layers fused with f (EAGLE-3)
     training: dict[str, object] = dataclasses.field(default_factory=dict)  # data, recipe, figures (informational)
 
     @classmethod
@@ -118,13 +123,35 @@ def head_model_config(target: ModelConfig) -> ModelConfig:
 class EagleHead(nn.Module):
     """fc + one decoder layer + norm; the embedding and LM-head rows are the target's."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, feature_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
+        self.feature_layers = tuple(feature_layers)
+        # EAGLE-3's fused feature: the final state and the feature layers' streams (each RMS-normalised) -> hidden
+        self.fuse = Linear((1 + len(self.feature_layers)) * h, h, bias=False) if self.feature_layers else None
         self.fc = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(cfg, 0)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def fused(self, feats: torch.Tensor) -> torch.Tensor:  # [..., feature width] -> [..., hidden]
+        """The target's feature rows (the final hidden state, then each feature layer's stream)
+        as the one feature the layer reads: themselves without feature layers."""
+        if self.fuse is None:
+            return feats
+        h = self.config.hidden_size
+        parts = feats.split(h, dim=-1)
+        normed = [parts[0]] + [F.rms_norm(p, (h,), eps=self.config.rms_norm_eps) for p in parts[1:]]
+        return self.fuse(torch.cat(normed, dim=-1))
+
+    def init_fuse(self) -> None:
+        """Start the fusion as the final state alone: a head trained without feature layers
+        computes what it did."""
+        if self.fuse is not None:
+            h = self.config.hidden_size
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, :h].copy_(torch.eye(h))
 
     def bind(self, device: torch.device) -> None:
         for m in self.modules():
@@ -289,7 +316,9 @@ def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torc
         raise ModelLoadError(f"{folder}: draft_ids does not fit the target's vocabulary")
     module: EagleHead | MedusaHeads
     if cfg.kind == "eagle":
-        module = EagleHead(head_model_config(target.config))
+        if any(not 0 <= i < target.config.num_hidden_layers for i in cfg.feature_layers):
+            raise ModelLoadError(f"{folder}: feature_layers {cfg.feature_layers} are not all layers of the target")
+        module = EagleHead(head_model_config(target.config), cfg.feature_layers)
     else:
         module = MedusaHeads(target.config.hidden_size, cfg.num_heads)
     try:
@@ -302,6 +331,7 @@ def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torc
     if isinstance(module, EagleHead):
         module.bind(device)
         _lay_out(module, device)
+        target.feature_layers = module.feature_layers  # the target's forward hands them over (before any graph)
     dense = target._embedding_dense() if target.lm_head is None else target.lm_head.dense_weight()  # noqa: SLF001
     ids = draft_ids.to(device)
     return LoadedHead(cfg, folder, module, ids, draft_lm_head(dense[ids]))
@@ -329,6 +359,7 @@ def save_head(
         fingerprint=target_fingerprint(target),
         draft_vocab_size=int(draft_ids.numel()),
         num_heads=module.num_heads if isinstance(module, MedusaHeads) else 0,
+        feature_layers=list(module.feature_layers) if isinstance(module, EagleHead) else [],
         training=training or {},
     )
     cfg.write(folder)

@@ -288,7 +288,9 @@ class EagleProposer(HiddenStateProposer):
         self, reqs: Sequence[Request], ns: Sequence[int], num_logits: int
     ) -> tuple[list[SequenceChunk], torch.Tensor, list[Track], list[tuple[Track, int, list[torch.Tensor]]]]:
         """Chunks for the next ``ns[i]`` positions each request lags behind, their features,
-        the tracks, and how each track moves on once the pass has succeeded (:meth:`_commit`)."""
+        the tracks, and how each track moves on once the pass has succeeded (:meth:`_commit`).
+        The features are the target's rows fused into one per position (EAGLE-3's feature
+        layers; the rows themselves without)."""
         chunks, feats, tracks, moves = [], [], [], []
         for r, n in zip(reqs, ns, strict=True):
             t = self.tracks.get(r.request_id)
@@ -304,7 +306,7 @@ class EagleProposer(HiddenStateProposer):
             feats.append(rows[:n])
             moves.append((t, t.kv + n, [rows[n:]] if n < rows.shape[0] else []))
             tracks.append(t)
-        return chunks, torch.cat(feats), tracks, moves
+        return chunks, self.module.fused(torch.cat(feats)), tracks, moves
 
     @staticmethod
     def _commit(moves: Sequence[tuple[Track, int, list[torch.Tensor]]]) -> None:

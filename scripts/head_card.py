@@ -1,0 +1,81 @@
+"""The model card a trained head ships with (``README.md`` beside its weights): what it is
+for, the data, the recipe and the figures of the run that made it (``scripts/train_heads.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
+    """The head's model card: what it is for, the data, the recipe, the figures of its run."""
+    data, vocab, recipe = t["data"], t["draft_vocab"], t["recipe"]
+    what = (
+        "one decoder layer over [embedding of x_t; target feature f_{t-1}], its own KV cache"
+        if kind == "eagle"
+        else f"{recipe['num_heads']} residual blocks on the target's last hidden state, head i drafting i + 1 tokens ahead"
+    )
+    lines = [
+        f"# {kind.upper()} draft head for {target}",
+        "",
+        f"A draft head that reads {target}'s final hidden states ({what}), sharing its embedding and LM head",
+        f"restricted to a draft vocabulary of {vocab['size']} tokens. Load it with `--speculative-method {kind}`",
+        "(found automatically for this target) or `--speculative-model <this folder>`; it is refused for any other",
+        "target (`draftwise_head.json` holds the target's fingerprint). Output is exactly the target's: every draft",
+        "is verified by exact rejection sampling.",
+        "",
+        "## Data",
+        "",
+        f"- {data['sequences']} training answers ({data['answer_tokens']} tokens), {data['held_out_sequences']} held out;",
+        f"- source: {data['source']}: the target's own answers (self-distillation), greedy for 60% of prompts and",
+        "  temperature 0.7 for the rest, with its final hidden state at every position;",
+        f"- of these, {data.get('teacher_forced_sequences', 0)} answers ({data.get('teacher_forced_answer_tokens', 0)} tokens) are written",
+        "  text the target read but did not write (`distill_heads_data.py --teacher-forced`: standard-library",
+        "  source, module docstrings, installed packages' descriptions); the teacher is still the target's own",
+        "  distribution at each position;",
+        "- prompts: Python standard-library functions (explain, write, test, review), instruction templates over",
+        "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded;",
+        f"- of the generated answers, {data.get('broad_sequences', 0)} ({data.get('broad_answer_tokens', 0)} tokens) answer the broad",
+        "  families (`head_prompts.py --broad`, `distill_heads_data.py --prompts broad`): everyday advice and",
+        "  explanations, short messages, code tasks in ten languages and programming questions, varied word problems",
+        "  and logic;",
+        (
+            f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them."
+            if not recipe.get("init")
+            else f"- draft vocabulary: the {vocab['size']} tokens of the head this run went on from (`{recipe['init']}`), "
+            f"covering {vocab['answer_token_coverage']:.1%} of the generated answers."
+        ),
+        "",
+        "## Recipe",
+        "",
+        "scripts/train_heads.py (see its docstring) with:",
+        "",
+        "```",
+        json.dumps(recipe, indent=1),
+        "```",
+        "",
+        f"{t['steps']} steps, {t['epochs']} epochs, {t['minutes']} minutes on {t['machine']}"
+        + (
+            f", going on from `{recipe['init']}` (its card: what it was trained on before)."
+            if recipe.get("init")
+            else "."
+        ),
+        "",
+        "## Figures (held-out answers)",
+        "",
+        f"- top-1 agreement with the target per drafted position: {t['held_out_top1_per_position']}",
+        f"- implied chain length at temperature 0 (tokens per target pass): {t['held_out_chain_length_t0']}",
+        *(
+            [
+                f"- on the target's greedy answers to the {t['eval_prompts_answers']} evaluation prompts "
+                "(bench/head_eval_prompts.py; never trained on): top-1 per drafted position "
+                f"{t['eval_prompts_top1_per_position']}, implied chain length {t['eval_prompts_chain_length_t0']}",
+            ]
+            if "eval_prompts_top1_per_position" in t
+            else []
+        ),
+        "",
+        "Measured speedups and accepted lengths on the held-out evaluation prompts: docs/benchmarks.md.",
+        "",
+    ]
+    (folder / "README.md").write_text("\n".join(lines))
