@@ -41,7 +41,7 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         "  and logic;",
         (
             f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them."
-            if not recipe.get("init")
+            if not recipe.get("init") or recipe.get("new_vocab")
             else f"- draft vocabulary: the {vocab['size']} tokens of the head this run went on from (`{recipe['init']}`), "
             f"covering {vocab['answer_token_coverage']:.1%} of the generated answers."
         ),
@@ -62,6 +62,9 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         ),
         "",
         "## Figures (held-out answers)",
+        "",
+        "Top-1 agreement: the head's first choice is the target's greedy token (over the target's whole",
+        "vocabulary: a token outside the draft vocabulary is a miss), per drafted position, each given the earlier ones.",
         "",
         f"- top-1 agreement with the target per drafted position: {t['held_out_top1_per_position']}",
         f"- implied chain length at temperature 0 (tokens per target pass): {t['held_out_chain_length_t0']}",

@@ -115,6 +115,7 @@ class Teacher:
     def __init__(self, model, draft_ids: torch.Tensor) -> None:
         self.emb = model._embedding_dense().detach().clone()  # noqa: SLF001
         head = self.emb if model.lm_head is None else model.lm_head.dense_weight().detach()
+        self.full = head  # [V, H]
         self.w = head[draft_ids].contiguous()  # [V_d, H]
         self.remap = torch.full((self.emb.shape[0],), -1, dtype=torch.long)
         self.remap[draft_ids] = torch.arange(draft_ids.numel())
@@ -168,12 +169,21 @@ def soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
 
 
 def eagle_loss(
-    head: EagleHead, teacher: Teacher, rope: RotaryEmbedding, bt: dict[str, torch.Tensor], unroll: int, reg: float
+    head: EagleHead,
+    teacher: Teacher,
+    rope: RotaryEmbedding,
+    bt: dict[str, torch.Tensor],
+    unroll: int,
+    reg: float,
+    whole_vocab: bool = False,
 ) -> tuple[torch.Tensor, list[float]]:
+    """The loss and top-1 agreement per drafted position: with the target's choice within the
+    draft vocabulary, or (``whole_vocab``, for the figures) over its whole vocabulary, where a
+    token outside the draft vocabulary is a miss (what acceptance at temperature 0 sees)."""
     emb = teacher.emb[bt["x"]]
     m = bt["mask"]
     t_logits = teacher.logits(bt["f"][m])
-    t_top = t_logits.argmax(-1)
+    t_top = teacher.remap[F.linear(bt["f"][m], teacher.full).argmax(-1)] if whole_vocab else t_logits.argmax(-1)
     feats, total, accs, past = head.fused(bt["prev"]), 0.0, [], []
     for j in range(unroll):
         g, kv = head.train_pass(emb, feats, rope, past)
@@ -242,6 +252,12 @@ def main() -> None:
         "--init", type=Path, default=None, help="start from this head folder's weights (same kind and target)"
     )
     ap.add_argument(
+        "--new-vocab",
+        action="store_true",
+        help="EAGLE with --init: choose the draft vocabulary (--draft-vocab) from this run's data instead of keeping "
+        "the head's",
+    )
+    ap.add_argument(
         "--crop-prompt", type=int, default=None, help="keep only the last N prompt tokens of each sequence as context"
     )
     ap.add_argument(
@@ -288,11 +304,13 @@ def main() -> None:
         from safetensors.torch import load_file
 
         saved = load_file(str(args.init / "head.safetensors"))
-        draft_ids = saved.pop("draft_ids").long()
-        teacher = Teacher(target.model, draft_ids)
-        args.draft_vocab = int(draft_ids.numel())  # the card records the vocabulary in use and its coverage
-        counts = answer_counts(generated or train, cfg.vocab_size)
-        coverage = float(counts[draft_ids].sum() / counts.sum())
+        init_ids = saved.pop("draft_ids").long()
+        if not args.new_vocab or args.kind != "eagle":  # (an EAGLE head's weights do not depend on its vocabulary)
+            draft_ids = init_ids
+            teacher = Teacher(target.model, draft_ids)
+            args.draft_vocab = int(draft_ids.numel())  # the card records the vocabulary in use and its coverage
+            counts = answer_counts(generated or train, cfg.vocab_size)
+            coverage = float(counts[draft_ids].sum() / counts.sum())
         missing, unexpected = module.load_state_dict({k: v.float() for k, v in saved.items()}, strict=False)
         if unexpected or set(missing) - {"fuse.weight"}:  # (a head without feature layers may seed one with them)
             raise SystemExit(f"--init {args.init}: not this {args.kind} head's shape ({missing}, {unexpected})")
@@ -310,7 +328,7 @@ def main() -> None:
             per = []
             for bt in val_batches if on is None else on:
                 _, a = (
-                    eagle_loss(module, teacher, rope, bt, max(3, args.unroll), args.reg)
+                    eagle_loss(module, teacher, rope, bt, max(3, args.unroll), args.reg, whole_vocab=True)
                     if isinstance(module, EagleHead)
                     else medusa_loss(module, teacher, bt)
                 )
