@@ -10,8 +10,15 @@ from pathlib import Path
 def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
     """The head's model card: what it is for, the data, the recipe, the figures of its run."""
     data, vocab, recipe = t["data"], t["draft_vocab"], t["recipe"]
+    layers = recipe.get("feature_layers") or ""
+    fused = (
+        f"; the target feature fuses the final state with the output streams of layers {layers} (EAGLE-3), which the "
+        "target's forward pass hands over beside it"
+        if layers
+        else ""
+    )
     what = (
-        "one decoder layer over [embedding of x_t; target feature f_{t-1}], its own KV cache"
+        f"one decoder layer over [embedding of x_t; target feature f_{{t-1}}], its own KV cache{fused}"
         if kind == "eagle"
         else f"{recipe['num_heads']} residual blocks on the target's last hidden state, head i drafting i + 1 tokens ahead"
     )
@@ -33,6 +40,14 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         "  text the target read but did not write (`distill_heads_data.py --teacher-forced`: standard-library",
         "  source, module docstrings, installed packages' descriptions); the teacher is still the target's own",
         "  distribution at each position;",
+        *(
+            [
+                f"- the streams of layers {layers}: every sequence re-read by the target, teacher-forced",
+                "  (`scripts/layer_feats.py`; the recomputed final state within 0.03 of the stored one);",
+            ]
+            if layers
+            else []
+        ),
         "- prompts: Python standard-library functions (explain, write, test, review), instruction templates over",
         "  topics, arithmetic word problems; the evaluation prompts (bench/head_eval_prompts.py) are excluded;",
         f"- of the generated answers, {data.get('broad_sequences', 0)} ({data.get('broad_answer_tokens', 0)} tokens) answer the broad",
