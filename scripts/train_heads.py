@@ -275,7 +275,8 @@ def main() -> None:
     # training data is read again at every epoch (a distillation run still writing shards feeds it)
     feature_layers = [int(i) for i in args.feature_layers.split(",") if i]
     layers = args.layer_feats if feature_layers else None
-    if feature_layers and (layers is None or torch.load(next(layers.glob("*.pt")))["layers"] != feature_layers):
+    first = next(layers.glob("*.pt"), None) if layers is not None else None
+    if feature_layers and (first is None or torch.load(first)["layers"] != feature_layers):
         raise SystemExit(f"--feature-layers {feature_layers} needs --layer-feats shards of exactly those layers")
     val = crop(load_data(args.data, HELD_OUT, layers), args.crop_prompt)
     train = crop(training_data(args.data, layers), args.crop_prompt)

@@ -165,3 +165,14 @@ def test_a_head_naming_layers_the_target_lacks_is_refused_in_one_line(tmp_path):
         load_head(folder, target.model, torch.float32, torch.device("cpu"))
     assert "\n" not in str(e.value) and "feature_layers [0, 99]" in str(e.value)
     assert target.model.feature_layers == ()
+
+
+def test_loading_a_head_sets_the_target_streams_it_reads_and_only_those(tmp_path):
+    """A fused EAGLE head makes the target hand over its layers' streams; a Medusa head loaded
+    on the same target afterwards reads the final state alone, so the target stops."""
+    folder = _fused_head(tmp_path / "fused", mix=0.0)
+    target = load_model(default_model_path("target"), dtype="float32")
+    load_head(folder, target.model, torch.float32, torch.device("cpu"))
+    assert target.model.feature_layers == LAYERS
+    load_head(HEADS_DIR / "default-medusa", target.model, torch.float32, torch.device("cpu"))
+    assert target.model.feature_layers == () and target.model.feature_width == target.config.hidden_size

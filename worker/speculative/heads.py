@@ -331,7 +331,8 @@ def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torc
     if isinstance(module, EagleHead):
         module.bind(device)
         _lay_out(module, device)
-        target.feature_layers = module.feature_layers  # the target's forward hands them over (before any graph)
+    # the streams the target's forward hands over beside its final state (before any graph is captured)
+    target.feature_layers = module.feature_layers if isinstance(module, EagleHead) else ()
     dense = target._embedding_dense() if target.lm_head is None else target.lm_head.dense_weight()  # noqa: SLF001
     ids = draft_ids.to(device)
     return LoadedHead(cfg, folder, module, ids, draft_lm_head(dense[ids]))
