@@ -6,7 +6,8 @@ checkpoints. For every one of the 4^4 continuations of 4 tokens the exact probab
 the target is computed with transformers (an independent implementation), shaped by the
 request's temperature / top-k. The engine then samples 6000 continuations with the draft
 proposer (k = 3), with n-gram lookup, with the suffix cache (unseeded), with random EAGLE and Medusa heads for the target
-(k = 3), with the draft proposer and a lookup beside it (hybrid: both parts drafting), and without speculation, and a chi-square goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
+(k = 3), with the draft proposer and a lookup beside it (hybrid: both parts drafting), with a draft whose
+tokenizer differs from the target's (TLI and SLEM, tests/engine/test_cross_vocab.py's crafted pair), and without speculation, and a chi-square goodness-of-fit test compares each sample to the exact distribution. Requests are seeded
 (seeds 1000, 1001, ...: speculation verifies them by Gumbel coupling, so the sample is
 across seeds) or, in the "-unseeded" cases, not (random seeds; rejection sampling).
 
@@ -28,6 +29,7 @@ from scipy.stats import chisquare
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
+from tests.engine.test_cross_vocab import make_cross_pair
 
 VOCAB = 4
 LENGTH = 4
@@ -90,6 +92,7 @@ def pair(tmp_path_factory):
     target = _save_tiny(root / "target", seed=1)
     draft = _save_tiny(root / "draft", seed=2, like=target, noise=0.5)
     _save_heads(root)
+    make_cross_pair(root / "cross", root / "target", root / "draft")
     return root, target, draft
 
 
@@ -190,6 +193,10 @@ SPEC = {
         prompt_lookup_min=2,  # a bigram must repeat: the lookup finds drafts for some requests and steps only
         seeded=False,
     ),
+    "cross-tli-k3-unseeded": dict(  # a draft with another tokenizer (tests/engine/test_cross_vocab.py's crafted pair)
+        speculative_vocab_mapping="tli", num_speculative_tokens=3, speculative_adaptive=False, seeded=False
+    ),
+    "cross-slem-k3": dict(speculative_vocab_mapping="slem", num_speculative_tokens=3, speculative_adaptive=False),
     "ngram-k3-unseeded": dict(
         speculative_method="ngram",
         num_speculative_tokens=3,
@@ -200,14 +207,24 @@ SPEC = {
 }
 
 
-@pytest.mark.parametrize("spec", list(SPEC))
-@pytest.mark.parametrize("case", list(CASES))
+# each case under each speculation; the two drafts with another tokenizer under one case each (their
+# sampling path is the draft model's, which every case exercises)
+RUNS = [(case, spec) for spec in SPEC if not spec.startswith("cross") for case in CASES] + [
+    ("t0.7-top3", "cross-tli-k3-unseeded"),
+    ("t1.0", "cross-slem-k3"),
+]
+
+
+@pytest.mark.parametrize(("case", "spec"), RUNS)
 def test_sequences_follow_the_target_distribution(pair, case, spec):
     root, target, draft = pair
     params = CASES[case]
     kw = dict(SPEC[spec])
     if kw.get("speculative_method") in ("draft", "eagle", "medusa"):
         kw["speculative_model"] = str(root / kw["speculative_method"])
+    if spec.startswith("cross"):
+        root = root / "cross"
+        kw["speculative_model"] = str(root / "draft")
     counts, engine = _sample(root, params, **kw)
     exact = _exact(target, params)
     pvalue = _chi2_pvalue(counts, exact)

@@ -13,6 +13,8 @@ QUANTIZATIONS = ("fp16", "int8")  # draftwise.worker.model.cpu_weights (torch-fr
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 LOOKUP_METHODS = ("suffix", "ngram")
 """What ``speculative_lookup`` takes: a lookup drafting beside a model drafter."""
+VOCAB_MAPPINGS = ("auto", "tli", "slem")
+"""What ``speculative_vocab_mapping`` takes (draftwise.worker.speculative.vocab_bridge)."""
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TENSOR_PARALLEL = 64
@@ -67,6 +69,9 @@ class EngineConfig:
     )
     speculative_quantization: str | None = (
         None  # "fp16" / "int8": the draft model's weights packed so (CPU), whatever the target's; None: as the target's
+    )
+    speculative_vocab_mapping: str = (
+        "auto"  # a draft with another tokenizer: "tli" / "slem"; "auto": TLI when half the draft's tokens are shared
     )
 
     def __post_init__(self) -> None:
@@ -131,6 +136,15 @@ class EngineConfig:
         if self.speculative_quantization is not None and self.spec_method != "draft":
             raise ValueError(
                 "speculative_quantization applies to a draft model (speculative_model), "
+                f"not to speculative_method={self.spec_method!r}"
+            )
+        if self.speculative_vocab_mapping not in VOCAB_MAPPINGS:
+            raise ValueError(
+                f"speculative_vocab_mapping must be one of {', '.join(VOCAB_MAPPINGS)}, got {self.speculative_vocab_mapping!r}"
+            )
+        if self.speculative_vocab_mapping != "auto" and self.spec_method != "draft":
+            raise ValueError(
+                "speculative_vocab_mapping applies to a draft model (speculative_model), "
                 f"not to speculative_method={self.spec_method!r}"
             )
         if method == "draft" and self.speculative_model is None:

@@ -94,14 +94,16 @@ def num_kv_blocks(
     drafter: LoadedModel | LoadedHead | None,
     max_batched: int,
     max_model_len: int,
+    draft_pool_scale: int = 1,
 ) -> tuple[int, MemoryProfile | None]:
     """Blocks for the target's KV pool (with a draft model or an EAGLE head, its own pool
-    gets as many blocks of its size, and both come out of the one budget), and the memory profile
-    that sized them (None unless it was measured: CUDA without an explicit budget)."""
+    gets as many blocks of its size, ``draft_pool_scale`` times as many for a draft with another
+    tokenizer, and all come out of the one budget), and the memory profile that sized them (None
+    unless it was measured: CUDA without an explicit budget)."""
     per_block = bytes_per_block(target.kv_config, config.block_size, target.dtype)
     draft = drafter if isinstance(drafter, LoadedModel) else None
     if draft is not None:
-        per_block += bytes_per_block(draft.config, config.block_size, draft.dtype)
+        per_block += draft_pool_scale * bytes_per_block(draft.config, config.block_size, draft.dtype)
     per_block += head_kv_bytes_per_block(
         drafter if isinstance(drafter, LoadedHead) else None, target, config.block_size
     )

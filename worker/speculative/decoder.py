@@ -36,6 +36,7 @@ from draftwise.worker.core.outputs import SpecStats
 from draftwise.worker.core.request import Request
 from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.sampling.sampler import SamplingRow, TokenLogprobs, processed_probs, token_logprobs
+from draftwise.worker.speculative.cross_draft import CROSS_POOL_SCALE, CrossVocabProposer
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.speculative.heads import LoadedHead
 from draftwise.worker.speculative.hidden import EagleProposer, MedusaProposer
@@ -45,6 +46,7 @@ from draftwise.worker.speculative.policy import CostModel, PolicyConfig, Request
 from draftwise.worker.speculative.proposer import Observed, Proposer, stack_draft_probs
 from draftwise.worker.speculative.rejection_sampler import rejection_sample
 from draftwise.worker.speculative.suffix import DEFAULT_MAX_TOKENS, SuffixProposer
+from draftwise.worker.speculative.vocab_bridge import VocabBridge
 
 if TYPE_CHECKING:
     from draftwise.worker.core.scheduler import ScheduledRequest
@@ -117,9 +119,11 @@ class SpecDecoder:
         target: LoadedModel,
         num_blocks: int,
         max_model_len: int,
+        bridge: VocabBridge | None = None,
     ) -> SpecDecoder | None:
         """The decoder ``config`` asks for (None: no speculation). A draft model's cache, and
-        an EAGLE head's, gets ``num_blocks`` blocks, as many as the target's."""
+        an EAGLE head's, gets ``num_blocks`` blocks, as many as the target's (a draft with
+        another tokenizer, read through ``bridge``: CROSS_POOL_SCALE times as many)."""
         if config.spec_method is None:
             return None
         proposer: Proposer
@@ -131,6 +135,9 @@ class SpecDecoder:
                 proposer = MedusaProposer(draft, target.model, vocab)
         elif config.spec_method == "suffix":
             proposer = _lookup(config, "suffix")
+        elif draft is not None and bridge is not None:
+            proposer = CrossVocabProposer(draft, CROSS_POOL_SCALE * num_blocks, config.block_size, bridge)
+            proposer.runner.decode_threads = config.decode_threads
         elif draft is not None:
             proposer = DraftModelProposer(draft, num_blocks, config.block_size, vocab, config.enable_prefix_caching)
             proposer.runner.decode_threads = config.decode_threads  # (its steps are small too)

@@ -111,7 +111,27 @@ class DraftModelProposer(Proposer):
         return True
 
     def backlog(self, req: Request) -> int:
-        return req.num_tokens - self._kv(req).num_computed
+        kv = self._kv(req)
+        return self._seq_end(req, kv) - kv.num_computed
+
+    # the draft's own sequence for a request; a draft with another tokenizer reads a translation
+    # (worker/speculative/cross_draft.py)
+
+    def _seq_end(self, req: Request, kv: DraftKV) -> int:  # noqa: ARG002
+        """Tokens in the draft's sequence for ``req``'s tokens so far."""
+        return req.num_tokens
+
+    def _seq(self, req: Request, kv: DraftKV, start: int, end: int) -> list[int]:  # noqa: ARG002
+        """The draft's tokens ``[start, end)`` of that sequence."""
+        return req.token_slice(start, end)
+
+    def _seq_end_at(self, req: Request, kv: DraftKV, num_tokens: int) -> int:  # noqa: ARG002
+        """Tokens in the draft's sequence for ``req``'s first ``num_tokens`` tokens."""
+        return num_tokens
+
+    def _feed(self, token: int) -> int:
+        """The draft's token for a token it drafted (fed back for the next draft step)."""
+        return token
 
     def _kv(self, req: Request) -> DraftKV:
         """``req``'s draft KV; the first time, started with its longest cached prefix."""
@@ -141,7 +161,7 @@ class DraftModelProposer(Proposer):
             end = kv.num_computed + n
             if not self._grow(kv.block_table, end, keep):
                 continue  # no room even after evicting others: it stays behind (decodes plainly) for now
-            chunks.append(SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 0))
+            chunks.append(SequenceChunk(self._seq(r, kv, kv.num_computed, end), kv.num_computed, kv.block_table, 0))
             done.append((r, n))
         if not chunks:
             return
@@ -184,8 +204,8 @@ class DraftModelProposer(Proposer):
         n = len(reqs)
         drafts: list[list[int]] = [[] for _ in range(n)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        ends = [r.num_tokens for r in reqs]
         kvs = [self._kv(r) for r in reqs]
+        ends = [self._seq_end(r, kv) for r, kv in zip(reqs, kvs, strict=True)]
         keep = {r.request_id for r in reqs}
         for r, k, end, kv in zip(reqs, ks, ends, kvs, strict=True):
             if k < 1:
@@ -193,7 +213,7 @@ class DraftModelProposer(Proposer):
             if not self._grow(kv.block_table, end + k - 1, keep):
                 raise RuntimeError("draft KV pool exhausted, even after evicting the draft KV of other requests")
         chunks0 = [
-            SequenceChunk(r.token_slice(kv.num_computed, end), kv.num_computed, kv.block_table, 1)
+            SequenceChunk(self._seq(r, kv, kv.num_computed, end), kv.num_computed, kv.block_table, 1)
             for r, end, kv in zip(reqs, ends, kvs, strict=True)
         ]
         need_q = any(not r.sampling_params.is_greedy for r in reqs)
@@ -209,7 +229,9 @@ class DraftModelProposer(Proposer):
         steps = 1
         for j in range(1, max(ks)):
             active = [i for i in range(n) if ks[i] > j]
-            chunks = [SequenceChunk([drafts[i][-1]], ends[i] + j - 1, kvs[i].block_table, 1) for i in active]
+            chunks = [
+                SequenceChunk([self._feed(drafts[i][-1])], ends[i] + j - 1, kvs[i].block_table, 1) for i in active
+            ]
             logits = self.runner.run(chunks)  # [len(active), draft vocab]
             q, toks = self._draw(logits, [reqs[i] for i in active], [drafts[i] for i in active], need_q)
             for row, i in enumerate(active):
@@ -233,7 +255,7 @@ class DraftModelProposer(Proposer):
         kv = self.kv.get(req.request_id)
         if kv is None:
             return
-        kv.num_computed = num_tokens_before + min(accepted, k - 1)
+        kv.num_computed = self._seq_end_at(req, kv, num_tokens_before) + min(accepted, k - 1)
         self.blocks.shrink(kv.block_table, kv.num_computed)
 
     def _grow(self, table: list[int], num_tokens: int, keep: set[str]) -> bool:

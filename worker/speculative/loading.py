@@ -1,6 +1,6 @@
 """Loading what a speculative method drafts with, before the engine sizes its KV cache: a
-draft model (checked against the target), or a trained EAGLE / Medusa head (the one given,
-or the one shipped for the target)."""
+draft model (checked against the target; with the bridge between their tokenizers when they
+differ), or a trained EAGLE / Medusa head (the one given, or the one shipped for the target)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from draftwise.worker.speculative.heads import (
     load_head,
     target_fingerprint,
 )
+from draftwise.worker.speculative.vocab_bridge import VocabBridge, build_bridge
+from draftwise.worker.text.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["check_speculative_model", "head_kv_bytes_per_block", "load_draft", "load_spec_head"]
 
@@ -39,10 +41,14 @@ def check_speculative_model(config: EngineConfig) -> None:
         raise ModelLoadError(f"speculative_model: {name}: not a checkpoint folder or .gguf file (or 'default')")
 
 
-def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
-    """The draft model when ``config`` speculates with one (checked against the target)."""
+def load_draft(
+    config: EngineConfig, target: LoadedModel, max_model_len: int, target_tokenizer: Tokenizer | None
+) -> tuple[LoadedModel | None, VocabBridge | None]:
+    """The draft model when ``config`` speculates with one (checked against the target), and
+    the bridge between their tokenizers when they differ (None: the draft drafts target ids).
+    ``target_tokenizer``: the engine's (None: read from the target's folder if it has one)."""
     if config.spec_method != "draft":
-        return None
+        return None, None
     name = str(config.speculative_model)
     folder = default_model_path("draft") if name == "default" else Path(name)
     try:
@@ -50,6 +56,14 @@ def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) ->
         draft = load_model(folder, dtype=target.dtype, device=target.device, quantization=quantization)
     except ModelLoadError as e:
         raise ModelLoadError(f"speculative_model: {e}") from e
+    bridge = _bridge(config, folder, draft, target, target_tokenizer)
+    if bridge is not None:
+        return draft, bridge  # its context is counted in its own tokens (CrossVocabProposer.can_draft)
+    if config.speculative_vocab_mapping != "auto":
+        raise ValueError(
+            f"speculative_vocab_mapping={config.speculative_vocab_mapping!r}: the draft shares the target's "
+            "tokenizer (it applies to a draft with another tokenizer)"
+        )
     if draft.config.max_position_embeddings < max_model_len:
         raise ValueError(
             f"the draft model's context ({draft.config.max_position_embeddings}) is shorter than "
@@ -58,9 +72,24 @@ def load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) ->
     if draft.config.vocab_size > target.config.vocab_size:
         raise ValueError(
             f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
-            f"({target.config.vocab_size}): draft and target must share a tokenizer"
+            f"({target.config.vocab_size}) and no tokenizer says how the two map: give the draft's folder its tokenizer"
         )
-    return draft
+    return draft, None
+
+
+def _bridge(
+    config: EngineConfig, folder: Path, draft: LoadedModel, target: LoadedModel, target_tokenizer: Tokenizer | None
+) -> VocabBridge | None:
+    """The bridge when both sides have a tokenizer and they differ; None when either has none
+    (the draft is taken to share the target's ids, as before tokenizers were compared)."""
+    try:
+        draft_tok = load_tokenizer(folder)
+        target_tok = target_tokenizer or load_tokenizer(Path(config.tokenizer) if config.tokenizer else target.folder)
+    except ModelLoadError:
+        return None
+    return build_bridge(
+        draft_tok, target_tok, draft.config.vocab_size, target.config.vocab_size, config.speculative_vocab_mapping
+    )
 
 
 def load_spec_head(config: EngineConfig, target: LoadedModel) -> LoadedHead | None:
