@@ -1,11 +1,11 @@
-"""A float16 draft beside a float32 target (``speculative_quantization="fp16"``) against the same
-draft in float32 and against plain decoding, in-process, greedy, on CPU; every ratio from
-measurements of the same run.
+"""A float16 or int8 draft beside a float32 target (``speculative_quantization="fp16"`` /
+``"int8"``: weight-only, groups of 32 inputs) against the same draft in float32 and against plain
+decoding, in-process, greedy, on CPU; every ratio from measurements of the same run.
 
 The pair: the embedded target and its draft for the default model; for another model (``--model``)
 the model itself as its own draft (self-speculation: in float32 it would accept everything and
-save nothing, so only the float16 copy, about half the bytes per draft step, is worth running:
-the float32 row shows what drafting costs when the draft costs a target step).
+save nothing, so only the float16 and int8 copies, about half and a quarter of the bytes per draft
+step, are worth running: the float32 row shows what drafting costs when the draft costs a target step).
 
 For each concurrency C (closed loop) every method runs ``--repeats`` times in turned order, each
 keeping its fastest run. Reported: output tokens/s, the ratio against plain, acceptance (accepted
@@ -66,6 +66,7 @@ def main() -> None:
         "plain": {},
         "draft float32": {"speculative_model": draft, **fixed},
         "draft fp16": {"speculative_model": draft, "speculative_quantization": "fp16", **fixed},
+        "draft int8": {"speculative_model": draft, "speculative_quantization": "int8", **fixed},
     }
     llms = {m: LLM(**base, **spec) for m, spec in methods.items()}
     prompts = [
@@ -120,7 +121,7 @@ def main() -> None:
 
 def render(r: dict, args: argparse.Namespace) -> str:
     lines = [
-        '## A float16 draft beside a float32 target (speculative_quantization="fp16")',
+        '## A float16 or int8 draft beside a float32 target (speculative_quantization="fp16" / "int8")',
         "",
         f"Command: `{r['command']}` — {time.strftime('%Y-%m-%d')}, {r['machine']}",
         "",
@@ -143,21 +144,25 @@ def render(r: dict, args: argparse.Namespace) -> str:
     lines.append("")
     for c in sorted({x["concurrency"] for x in r["rows"]}):
         by = {x["method"]: x for x in r["rows"] if x["concurrency"] == c}
-        f32, f16 = by["draft float32"], by["draft fp16"]
-        if f32["draft_step_ms"] and f16["draft_step_ms"]:
-            cheaper = f32["draft_step_ms"] / f16["draft_step_ms"]
-            verdict = "met" if cheaper >= GOAL_STEP else "**NOT met**"
+        f32 = by["draft float32"]
+        for mode in ("fp16", "int8"):
+            q = by.get(f"draft {mode}")
+            if q is None:
+                continue
+            if f32["draft_step_ms"] and q["draft_step_ms"]:
+                cheaper = f32["draft_step_ms"] / q["draft_step_ms"]
+                verdict = "met" if cheaper >= GOAL_STEP else "**NOT met**"
+                lines.append(
+                    f"- concurrency {c}: the {mode} draft step is {cheaper:.2f}x cheaper (goal >= {GOAL_STEP}x): {verdict}."
+                )
+            delta = abs(q["acceptance_rate"] - f32["acceptance_rate"])
+            verdict = "met" if delta <= GOAL_ACCEPTANCE else "**NOT met**"
+            if not q.get("drafted", 1) or not f32.get("drafted", 1):
+                verdict = "not compared (the policy drafted nothing in one of the runs)"
             lines.append(
-                f"- concurrency {c}: the fp16 draft step is {cheaper:.2f}x cheaper (goal >= {GOAL_STEP}x): {verdict}."
+                f"- concurrency {c}: {mode} acceptance {q['acceptance_rate']:.3f} against {f32['acceptance_rate']:.3f} (goal:"
+                f" within {GOAL_ACCEPTANCE}): {verdict}; end to end {q['ratio']:.2f}x plain (float32 draft {f32['ratio']:.2f}x)."
             )
-        delta = abs(f16["acceptance_rate"] - f32["acceptance_rate"])
-        verdict = "met" if delta <= GOAL_ACCEPTANCE else "**NOT met**"
-        if not f16.get("drafted", 1) or not f32.get("drafted", 1):
-            verdict = "not compared (the policy drafted nothing in one of the runs)"
-        lines.append(
-            f"- concurrency {c}: acceptance {f16['acceptance_rate']:.3f} against {f32['acceptance_rate']:.3f} (goal: within"
-            f" {GOAL_ACCEPTANCE}): {verdict}; end to end {f16['ratio']:.2f}x plain (float32 draft {f32['ratio']:.2f}x)."
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,10 @@
-"""The hybrid proposer (worker/speculative/hybrid.py): a draft model or Medusa heads with a lookup
-(suffix cache or n-gram) beside it, the more promising of the two drafting per request and step.
+"""The hybrid proposer (worker/speculative/hybrid.py): a draft model, an EAGLE head or Medusa heads
+with a lookup (suffix cache or n-gram) beside it, the more promising of the two drafting per request
+and step.
 
 - greedy output equals plain greedy, batched under chunked prefill and forced preemption, with
-  both parts drafting (draft+suffix on an agent-like workload, medusa+ngram), with k fixed and
+  both parts drafting (draft+suffix on an agent-like workload, medusa+ngram, eagle+suffix: EAGLE
+  keeps the features of the rounds the lookup drafted and reads them later), with k fixed and
   with the adaptive policy; both block pools empty once idle;
 - the lookup drafts for a request the draft model lags behind (where the model alone would
   leave it decoding plainly while it catches up), and the catch-up waits for a step in which
@@ -35,6 +37,7 @@ from tests.engine.test_suffix_proposer import _agent_workload, _seeded
 
 DRAFT_SUFFIX = {"speculative_model": "default", "speculative_lookup": "suffix"}
 MEDUSA_NGRAM = {"speculative_method": "medusa", "speculative_lookup": "ngram"}
+EAGLE_SUFFIX = {"speculative_method": "eagle", "speculative_lookup": "suffix"}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,9 @@ def _steady_costs(engine: LLMEngine, hybrid: HybridProposer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("spec", "adaptive"), [(DRAFT_SUFFIX, False), (DRAFT_SUFFIX, True), (MEDUSA_NGRAM, False)], ids=str
+    ("spec", "adaptive"),
+    [(DRAFT_SUFFIX, False), (DRAFT_SUFFIX, True), (MEDUSA_NGRAM, False), (EAGLE_SUFFIX, False)],
+    ids=str,
 )
 def test_greedy_is_exact_batched_with_chunked_prefill_and_preemption(agent, spec, adaptive):
     reqs, ref = agent
@@ -254,8 +259,7 @@ def test_a_request_drafts_only_with_the_methods_it_names(agent):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"speculative_lookup": "suffix"}, "drafts beside a draft model or Medusa heads"),
-        ({"speculative_method": "eagle", "speculative_lookup": "suffix"}, "EAGLE cannot share rounds"),
+        ({"speculative_lookup": "suffix"}, "drafts beside a draft model, an EAGLE head or Medusa heads"),
         ({"speculative_method": "ngram", "speculative_lookup": "suffix"}, "got 'ngram'"),
         ({"speculative_model": "default", "speculative_lookup": "draft"}, "speculative_lookup must be one of"),
         ({"speculative_model": "default", "suffix_cache_max_tokens": 10}, "suffix_cache_max_tokens"),

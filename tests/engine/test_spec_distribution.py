@@ -185,6 +185,13 @@ SPEC = {
     "draft+suffix-k3": dict(
         speculative_method="draft", speculative_lookup="suffix", num_speculative_tokens=3, speculative_adaptive=False
     ),
+    "eagle+suffix-k3-unseeded": dict(
+        speculative_method="eagle",
+        speculative_lookup="suffix",
+        num_speculative_tokens=3,
+        speculative_adaptive=False,
+        seeded=False,
+    ),
     "draft+ngram-k3-unseeded": dict(
         speculative_method="draft",
         speculative_lookup="ngram",
@@ -207,12 +214,10 @@ SPEC = {
 }
 
 
-# each case under each speculation; the two drafts with another tokenizer under one case each (their
-# sampling path is the draft model's, which every case exercises)
-RUNS = [(case, spec) for spec in SPEC if not spec.startswith("cross") for case in CASES] + [
-    ("t0.7-top3", "cross-tli-k3-unseeded"),
-    ("t1.0", "cross-slem-k3"),
-]
+# each case under each speculation, but these under one case each: their sampling paths are the draft
+# model's, EAGLE's and the lookup's, which the other speculations run under every case
+ONE_CASE = {"cross-tli-k3-unseeded": "t0.7-top3", "cross-slem-k3": "t1.0", "eagle+suffix-k3-unseeded": "t0.7-top3"}
+RUNS = [(case, spec) for spec in SPEC for case in CASES if ONE_CASE.get(spec, case) == case]
 
 
 @pytest.mark.parametrize(("case", "spec"), RUNS)

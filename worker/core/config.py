@@ -65,7 +65,7 @@ class EngineConfig:
     prompt_lookup_max: int | None = None  # ngram: longest suffix tried first; None: 4
     suffix_cache_max_tokens: int | None = None  # suffix: tokens of earlier outputs kept, all tenants; None: 200000
     speculative_lookup: str | None = (
-        None  # "suffix" | "ngram": a lookup beside a draft model or Medusa heads, the more promising drafts each step
+        None  # "suffix" | "ngram": a lookup beside a draft model, EAGLE or Medusa, the more promising drafts each step
     )
     speculative_quantization: str | None = (
         None  # "fp16" / "int8": the draft model's weights packed so (CPU), whatever the target's; None: as the target's
@@ -181,11 +181,10 @@ class EngineConfig:
         if lookup not in LOOKUP_METHODS:
             raise ValueError(f"speculative_lookup must be one of {', '.join(LOOKUP_METHODS)}, got {lookup!r}")
         method = self.spec_method
-        if method not in ("draft", "medusa"):
-            why = "EAGLE cannot share rounds with a lookup yet" if method == "eagle" else f"got {method!r}"
+        if method not in ("draft", "eagle", "medusa"):
             raise ValueError(
-                f"speculative_lookup={lookup!r} drafts beside a draft model or Medusa heads "
-                f"(speculative_method 'draft' or 'medusa'): {why}"
+                f"speculative_lookup={lookup!r} drafts beside a draft model, an EAGLE head or Medusa heads "
+                f"(speculative_method 'draft', 'eagle' or 'medusa'): got {method!r}"
             )
 
     @property

@@ -208,7 +208,7 @@ class SpecDecoder:
                     if s.num_draft_tokens
                     else r.token_slice(start, start + n)
                 )
-                items.append(Observed(r, start, toks, hidden[at : at + n]))
+                items.append(Observed(r, start, toks, hidden[at : at + n], s.num_draft_tokens))
             at += n
         try:
             self.proposer.observe(items)

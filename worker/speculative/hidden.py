@@ -251,7 +251,7 @@ class EagleProposer(HiddenStateProposer):
         :meth:`settle`, which knows how many of them are real)."""
         for it in items:
             t = self.tracks.get(it.request.request_id)
-            verify = t is not None and t.kv == it.start + 1 and len(it.token_ids) > 1
+            verify = t is not None and it.num_drafts > 0  # drafted by this head or, in a hybrid, by the lookup
             super().observe([it])
             t = self.tracks.get(it.request.request_id)
             if t is None:
@@ -271,7 +271,9 @@ class EagleProposer(HiddenStateProposer):
         super().settle(req, num_tokens_before, k, accepted)
         t = self.tracks.get(req.request_id)
         if t is not None and tail is not None:
-            t.pending = [tail[: accepted + 1]]  # f_{N-1} .. f_{N-1+a}: the proposal consumed the rest
+            # f_{N-1} .. f_{N-1+a}, after what the head has not read yet: nothing when it drafted this round
+            # (its proposal read up to N - 1); in a hybrid whose lookup drafted, the positions it lags behind
+            t.pending.append(tail[: accepted + 1])
             self.blocks.shrink(t.block_table, t.kv - t.base)
 
     def release(self, req: Request) -> None:

@@ -1,7 +1,7 @@
 """A model drafter and a lookup side by side: per request and step, the one that promises more
 (docs/engine.md, "Speculative decoding", hybrid).
 
-A draft model (or Medusa heads) drafts well on text it can predict; a lookup (the suffix cache
+A draft model (or an EAGLE head, or Medusa heads) drafts well on text it can predict; a lookup (the suffix cache
 over earlier outputs, or n-gram prompt lookup) drafts nothing most of the time, and long runs
 that are almost always accepted when the answer repeats something seen before (code edits,
 tool-call JSON, templated answers), at no model cost. :class:`HybridProposer` runs both
@@ -25,15 +25,16 @@ through the one :class:`~draftwise.worker.speculative.proposer.Proposer` interfa
   lookup, which costs nothing to draft, looks up to the request's ceiling (its limit, its
   max_tokens and the context), and drafts even where the policy chose k = 0, when its expected
   rate beats plain decoding.
-- **Settling**: the part that drafted keeps its accepted prefix; a hidden-state part (Medusa)
-  settles after every verify pass, whoever drafted, since it observed the pass's features.
+- **Settling**: the part that drafted keeps its accepted prefix; a hidden-state part (EAGLE,
+  Medusa) settles after every verify pass, whoever drafted, since it observed the pass's
+  features: EAGLE keeps the accepted positions' features after those its layer has not read
+  yet, and reads them all, like a draft model, once the lookup finds nothing.
   A draft model that did not draft this step read nothing past the request's real tokens: it
   has nothing to roll back.
 
 Exactness holds whatever is chosen: the choice depends only on the request's past, and the
 verifier takes each request's draft distribution (q one-hot for lookup drafts), so rejection
-sampling and the seeded coupling apply unchanged. EAGLE is not a part yet: its layer's KV
-follows only the rounds it drafted itself.
+sampling and the seeded coupling apply unchanged.
 """
 
 from __future__ import annotations
@@ -102,12 +103,12 @@ class _Choice:
 
 
 class HybridProposer(Proposer):
-    """A model drafter (draft model or Medusa) and a lookup (suffix or n-gram): per request and
+    """A model drafter (draft model, EAGLE or Medusa) and a lookup (suffix or n-gram): per request and
     step the more promising one drafts (see the module docstring)."""
 
     def __init__(self, model: Proposer, lookup: LookupProposer, costs: CostModel | None = None) -> None:
-        if isinstance(model, LookupProposer) or model.name == "eagle":
-            raise ValueError(f"a hybrid pairs a draft model or Medusa heads with a lookup, not {model.name!r}")
+        if isinstance(model, LookupProposer):
+            raise ValueError(f"a hybrid pairs a draft model, an EAGLE head or Medusa heads with a lookup, not {model.name!r}")
         self.model = model
         self.lookup = lookup
         self.costs = costs or CostModel()

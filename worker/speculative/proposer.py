@@ -56,6 +56,7 @@ class Observed:
     start: int  # the position of its first new token
     token_ids: list[int]  # the new tokens (a verify pass: the last token, then the drafts)
     rows: torch.Tensor  # [len(token_ids), hidden]: their final hidden states
+    num_drafts: int = 0  # a verify pass: the drafts it verified (whichever part of a hybrid drafted them)
 
 
 @dataclass(frozen=True)
