@@ -18,7 +18,7 @@ run; the suffix cache is emptied before every run, so each run starts cold and f
 Reported: output tokens/s, the ratio against plain, mean accepted length, acceptance rate.
 
     python bench/bench_suffix.py [--model MODEL] [--concurrency 1,16] [--max-tokens 64] [--repeats 2] [--threads 2]
-        [--methods plain,ngram,suffix,draft,draft+suffix]   # medusa, medusa+suffix: the head shipped for --model
+        [--methods plain,ngram,suffix,draft,draft+suffix]   # medusa(+suffix), eagle(+suffix): the head shipped for --model
 
 Results: docs/benchmarks.md (section ``suffix``, or ``suffix-<model>``) and bench/results/suffix[_<model>].json.
 """
@@ -59,6 +59,8 @@ ALL_METHODS = {
     "draft+suffix": {"speculative_model": "default", "speculative_lookup": "suffix"},
     "medusa": {"speculative_method": "medusa"},  # the head shipped for the target
     "medusa+suffix": {"speculative_method": "medusa", "speculative_lookup": "suffix"},
+    "eagle": {"speculative_method": "eagle"},  # the head shipped for the target
+    "eagle+suffix": {"speculative_method": "eagle", "speculative_lookup": "suffix"},
 }
 
 

@@ -21,7 +21,7 @@ from draftwise.worker import default_model_path
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.cross_draft import CrossVocabProposer
+from draftwise.worker.speculative.cross_draft import CROSS_POOL_SCALE, CrossVocabProposer
 from draftwise.worker.speculative.vocab_bridge import build_bridge, token_surfaces
 from draftwise.worker.text.tokenizer import load_tokenizer
 from tests.engine.test_spec_exactness import run_together
@@ -226,6 +226,7 @@ def test_a_failing_translation_ends_only_its_request_and_frees_its_blocks(tiny_c
     engine = _tiny_engine(tiny_cross)
     proposer = engine.spec.proposer
     assert isinstance(proposer, CrossVocabProposer) and proposer.mode == "tli"  # 3 of 4 draft tokens shared
+    assert proposer.blocks.num_blocks == CROSS_POOL_SCALE * engine.blocks.num_blocks  # a text may take more draft tokens
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"ok{i}", [1, 3, i], params)

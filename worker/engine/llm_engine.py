@@ -45,7 +45,6 @@ from draftwise.worker.paths import resolve_model
 from draftwise.worker.sampling.grammar import Grammars
 from draftwise.worker.sampling.sampler import Sampler
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.cross_draft import CROSS_POOL_SCALE
 from draftwise.worker.speculative.decoder import SpecDecoder, SpecPlan
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.speculative.loading import check_speculative_model, load_draft, load_spec_head
@@ -96,8 +95,7 @@ class LLMEngine:
         draft = draft_model or load_spec_head(config, self.loaded)
         clock.done("draft_s")
         # memory_profile: what the CUDA profile measured (None: not profiled)
-        scale = 1 if bridge is None else CROSS_POOL_SCALE
-        size_kv = lambda: sizing.num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len, scale)  # noqa: E731
+        size_kv = lambda: sizing.num_kv_blocks(config, self.loaded, draft, max_batched, self.max_model_len, bridge)  # noqa: E731
         num_blocks, self.memory_profile = (
             size_kv() if self.ranks is None else self.ranks.agree_kv_blocks(size_kv, max_batched, self.max_model_len)
         )
@@ -109,9 +107,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.kv_cache, peers=self.ranks)
         self.runner.decode_threads = config.decode_threads
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.spec: SpecDecoder | None = SpecDecoder.build(
-            config, draft, self.loaded, num_blocks, self.max_model_len, bridge
-        )
+        self.spec = SpecDecoder.build(config, draft, self.loaded, num_blocks, self.max_model_len, bridge)
         self.spec_method: str | None = None if self.spec is None else self.spec.method
         k = config.max_draft_tokens
         draft_runner = self.proposer.runner if self.proposer is not None else None

@@ -21,9 +21,11 @@ from draftwise.worker.model.kv_cache import bytes_per_block
 from draftwise.worker.model.loader import LoadedModel
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.model_runner import ModelRunner
+from draftwise.worker.speculative.cross_draft import CROSS_POOL_SCALE
 from draftwise.worker.speculative.decoder import MAX_INLINE_BACKLOG
 from draftwise.worker.speculative.heads import LoadedHead
 from draftwise.worker.speculative.loading import head_kv_bytes_per_block
+from draftwise.worker.speculative.vocab_bridge import VocabBridge
 
 __all__ = [
     "CPU_MAX_DEFAULT_KV_BYTES",
@@ -94,16 +96,17 @@ def num_kv_blocks(
     drafter: LoadedModel | LoadedHead | None,
     max_batched: int,
     max_model_len: int,
-    draft_pool_scale: int = 1,
+    bridge: VocabBridge | None = None,
 ) -> tuple[int, MemoryProfile | None]:
     """Blocks for the target's KV pool (with a draft model or an EAGLE head, its own pool
-    gets as many blocks of its size, ``draft_pool_scale`` times as many for a draft with another
-    tokenizer, and all come out of the one budget), and the memory profile that sized them (None
-    unless it was measured: CUDA without an explicit budget)."""
+    gets as many blocks of its size, CROSS_POOL_SCALE times as many for a draft with another
+    tokenizer, read through ``bridge``, and all come out of the one budget), and the memory
+    profile that sized them (None unless it was measured: CUDA without an explicit budget)."""
     per_block = bytes_per_block(target.kv_config, config.block_size, target.dtype)
     draft = drafter if isinstance(drafter, LoadedModel) else None
     if draft is not None:
-        per_block += draft_pool_scale * bytes_per_block(draft.config, config.block_size, draft.dtype)
+        scale = 1 if bridge is None else CROSS_POOL_SCALE
+        per_block += scale * bytes_per_block(draft.config, config.block_size, draft.dtype)
     per_block += head_kv_bytes_per_block(
         drafter if isinstance(drafter, LoadedHead) else None, target, config.block_size
     )

@@ -108,7 +108,9 @@ class HybridProposer(Proposer):
 
     def __init__(self, model: Proposer, lookup: LookupProposer, costs: CostModel | None = None) -> None:
         if isinstance(model, LookupProposer):
-            raise ValueError(f"a hybrid pairs a draft model, an EAGLE head or Medusa heads with a lookup, not {model.name!r}")
+            raise ValueError(
+                f"a hybrid pairs a draft model, an EAGLE head or Medusa heads with a lookup, not {model.name!r}"
+            )
         self.model = model
         self.lookup = lookup
         self.costs = costs or CostModel()
