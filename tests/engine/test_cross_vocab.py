@@ -226,7 +226,7 @@ def test_a_failing_translation_ends_only_its_request_and_frees_its_blocks(tiny_c
     engine = _tiny_engine(tiny_cross)
     proposer = engine.spec.proposer
     assert isinstance(proposer, CrossVocabProposer) and proposer.mode == "tli"  # 3 of 4 draft tokens shared
-    assert proposer.blocks.num_blocks == CROSS_POOL_SCALE * engine.blocks.num_blocks  # a text may take more draft tokens
+    assert proposer.blocks.num_blocks == CROSS_POOL_SCALE * engine.blocks.num_blocks  # more draft tokens a text
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"ok{i}", [1, 3, i], params)
