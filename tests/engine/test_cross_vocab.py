@@ -206,6 +206,34 @@ def _drain(engine: LLMEngine) -> dict:
     return outs
 
 
+def test_a_draft_with_a_larger_vocabulary_than_the_targets(tmp_path_factory):
+    """A 5-token draft for the 4-token target (SLEM: 2 of its 5 tokens shared; then TLI forced): exact."""
+    from tests.engine.test_spec_distribution import _save_tiny
+
+    root = tmp_path_factory.mktemp("bigger_draft")
+    target = _save_tiny(root / "t0", seed=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tests.engine.test_spec_distribution.VOCAB", 5)
+        _save_tiny(root / "d0", seed=3)
+    shutil.copytree(root / "t0", root / "target")
+    shutil.copytree(root / "d0", root / "draft")
+    save_char_tokenizer(root / "target", TARGET_PIECES)
+    save_char_tokenizer(root / "draft", ["x", "b", "y", "z", "a"])
+    del target
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLMEngine(EngineConfig(model=str(root / "target"), dtype="float32", skip_tokenizer_init=True))
+    plain.add_request("r", [1, 3, 0], params)
+    want = _drain(plain)["r"].outputs[0].token_ids
+    for mapping in ("auto", "tli"):
+        engine = _tiny_engine((root / "target", root / "draft"), speculative_vocab_mapping=mapping)
+        proposer = engine.spec.proposer
+        assert isinstance(proposer, CrossVocabProposer) and proposer.mode == ("slem" if mapping == "auto" else "tli")
+        engine.add_request("r", [1, 3, 0], params)
+        got = _drain(engine)["r"].outputs[0]
+        assert got.token_ids == want and got.num_spec_proposed > 0, mapping
+        engine.check_idle_invariants()
+
+
 def test_a_request_that_outgrows_the_drafts_context_stops_speculating(tiny_cross):
     """The draft's context is 40 tokens here: a 50-token answer is drafted for at first, then
     decoded plainly, and equals plain output."""

@@ -108,6 +108,8 @@ class VocabBridge:
     to_draft: dict[int, int] = field(init=False)  # target id -> draft id, in the intersection
     _pieces: dict[bytes, int] = field(init=False)  # draft surface -> id (ordinary tokens, for splitting)
     _longest: int = field(init=False)
+    _target_pieces: dict[bytes, int] = field(init=False)  # the same for the target's ordinary tokens
+    _target_longest: int = field(init=False)
     _cache: dict[int, list[int]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,6 +132,12 @@ class VocabBridge:
                 self.to_draft[t] = i
         self.shared_draft_ids = (self.to_target >= 0).nonzero().flatten()
         self._longest = max((len(s) for s in self._pieces), default=1)
+        target_specials = set(self.target_tok.hf.added_tokens_decoder)
+        self._target_pieces = {}
+        for i, s in enumerate(self.target_surfaces[: self.target_vocab]):
+            if s is not None and i not in target_specials:
+                self._target_pieces.setdefault(s, i)
+        self._target_longest = max((len(s) for s in self._target_pieces), default=1)
 
     @property
     def shared(self) -> int:
@@ -145,17 +153,7 @@ class VocabBridge:
 
     def split(self, data: bytes) -> list[int]:
         """``data`` as the longest draft tokens from the left (bytes no token stands for are skipped)."""
-        out, i = [], 0
-        while i < len(data):
-            for n in range(min(self._longest, len(data) - i), 0, -1):
-                d = self._pieces.get(data[i : i + n])
-                if d is not None:
-                    out.append(d)
-                    i += n
-                    break
-            else:
-                i += 1
-        return out
+        return _split(data, self._pieces, self._longest)
 
     def translate(self, t: int) -> list[int]:
         """The draft's tokens for one target token: its counterpart when shared, else its
@@ -189,9 +187,27 @@ class VocabBridge:
         """SLEM: the target's tokens for the text the draft wrote; unless ``complete`` (the draft
         ended its text), the last one is dropped, as the text may go on inside it."""
         data = b"".join(s for d in draft_ids if d < len(self.draft_surfaces) and (s := self.draft_surfaces[d]))
-        text = data.decode(errors="ignore")
-        ids = list(self.target_tok.hf.encode(text, add_special_tokens=False)) if text else []
+        try:
+            text = data.decode(errors="ignore")
+            ids = list(self.target_tok.hf.encode(text, add_special_tokens=False)) if text else []
+        except Exception:  # noqa: BLE001 - text the target's tokenizer cannot encode (a Rust exception): split it
+            ids = _split(data, self._target_pieces, self._target_longest)
         return ids if complete else ids[:-1]
+
+
+def _split(data: bytes, pieces: dict[bytes, int], longest: int) -> list[int]:
+    """``data`` as the longest of ``pieces`` from the left (bytes no piece stands for are skipped)."""
+    out, i = [], 0
+    while i < len(data):
+        for n in range(min(longest, len(data) - i), 0, -1):
+            t = pieces.get(data[i : i + n])
+            if t is not None:
+                out.append(t)
+                i += n
+                break
+        else:
+            i += 1
+    return out
 
 
 def build_bridge(
