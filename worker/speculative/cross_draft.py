@@ -70,6 +70,8 @@ class CrossVocabProposer(DraftModelProposer):
         self.bridge = bridge
         self.mode = bridge.mode
         self.max_len = loaded.config.max_position_embeddings
+        shared = bridge.shared_draft_ids
+        self._from, self._to = shared.to(self.device), bridge.to_target[shared].to(self.device)  # TLI's moves
         # a whole accepted round, translated (about 1.3 draft tokens a target token), is read in
         # the proposal's first pass
         self.inline_backlog = 12
@@ -125,8 +127,7 @@ class CrossVocabProposer(DraftModelProposer):
     ) -> tuple[torch.Tensor | None, list[int]]:
         """TLI: the draft's logits on the target's vocabulary, the intersection alone possible."""
         moved = logits.new_full((logits.shape[0], self.target_vocab), -torch.inf, dtype=torch.float32)
-        ids = self.bridge.shared_draft_ids.to(logits.device)
-        moved[:, self.bridge.to_target.to(logits.device)[ids]] = logits[:, ids].float()
+        moved[:, self._to] = logits[:, self._from].float()
         return super()._draw(moved, reqs, drafts, need_q)
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> Proposal:
