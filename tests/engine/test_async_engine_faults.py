@@ -217,6 +217,7 @@ def test_engine_death_fails_every_stream_and_every_later_call():
             await asyncio.wait_for(aengine.abort("r0"), 5)
 
     asyncio.run(main())
+    aengine.shutdown()  # the engine thread calls on_death after failing the streams: wait for it (CI saw the race)
     assert len(deaths) == 1 and "out of memory" in deaths[0]
 
 
