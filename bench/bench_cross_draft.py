@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_heads import accept_stats, closed_loop  # noqa: E402
+from bench_heads import accept_stats, closed_loop, fastest_runs  # noqa: E402
 from benchlib import MODEL_HELP, heldout_prompts, machine, model_slug, save_results, write_section  # noqa: E402
 
 from draftwise.logs import configure_logging  # noqa: E402
@@ -82,13 +82,7 @@ def main() -> None:
         closed_loop(llm, list(enumerate(prompts[:2])), params[:2], 2)
     rows = []
     for c in levels:
-        best: dict[str, tuple[float, list]] = {}
-        order = list(methods)
-        for r in range(args.repeats):
-            for m in order[r % len(order) :] + order[: r % len(order)]:
-                s, outs = closed_loop(llms[m], list(enumerate(prompts)), params, c)
-                if m not in best or s < best[m][0]:
-                    best[m] = (s, [o for _, o in outs])
+        best = fastest_runs(llms, prompts, params, c, args.repeats)
         ref = [o.outputs[0].token_ids for o in best["plain"][1]]
         plain_tps = sum(len(t) for t in ref) / best["plain"][0]
         for m, (s, outs) in best.items():

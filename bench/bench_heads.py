@@ -132,6 +132,21 @@ def closed_loop(llm: LLM, requests: list[tuple[int, dict]], params: list[Samplin
     return seconds, [(pi, outs[f"h{concurrency}-{i}"]) for i, (pi, _) in enumerate(requests)]
 
 
+def fastest_runs(
+    llms: dict[str, LLM], prompts: list[dict], params: list[SamplingParams], concurrency: int, repeats: int
+) -> dict[str, tuple[float, list]]:
+    """Each method's fastest of ``repeats`` closed-loop runs over ``prompts``, the methods in turned
+    order from one repeat to the next: {method: (seconds, final outputs in prompt order)}."""
+    best: dict[str, tuple[float, list]] = {}
+    order = list(llms)
+    for r in range(repeats):
+        for m in order[r % len(order) :] + order[: r % len(order)]:
+            s, outs = closed_loop(llms[m], list(enumerate(prompts)), params, concurrency)
+            if m not in best or s < best[m][0]:
+                best[m] = (s, [o for _, o in outs])
+    return best
+
+
 def request_params(requests: list[tuple[int, dict]], temperature: float, max_tokens: int) -> list[SamplingParams]:
     return [
         SamplingParams(

@@ -186,18 +186,10 @@ class CrossVocabProposer(DraftModelProposer):
             kv.num_computed = min(kv.num_computed, self._seq_end_at(req, kv, num_tokens_before))
             self.blocks.shrink(kv.block_table, kv.num_computed)
 
-    def check(self, reqs: Sequence[Request]) -> None:
-        by_id = {r.request_id: r for r in reqs}
-        stray = set(self.kv) - set(by_id)
-        if stray:
-            raise AssertionError(f"draft KV held for requests that are gone: {sorted(stray)}")
-        self.blocks.pool.check(kv.block_table for kv in self.kv.values())
-        for rid, kv in self.kv.items():
-            assert isinstance(kv, CrossKV)
-            if kv.base + len(kv.ends) > by_id[rid].num_tokens:
-                raise AssertionError(f"{rid}: {kv.base + len(kv.ends)} tokens translated of {by_id[rid].num_tokens}")
-            req = by_id[rid]  # the accepted drafts are translated lazily, when next read
-            untranslated = req.token_slice(kv.base + len(kv.ends), req.num_tokens)
-            length = len(kv.tokens) + sum(len(self.bridge.translate(t)) for t in untranslated)
-            if kv.num_computed > length:
-                raise AssertionError(f"{rid}: draft KV of {kv.num_computed} > {length} draft tokens")
+    def _computable(self, req: Request, kv: DraftKV) -> int:
+        """The translation's length, the accepted drafts (translated lazily, when next read) included."""
+        assert isinstance(kv, CrossKV)
+        if kv.base + len(kv.ends) > req.num_tokens:
+            raise AssertionError(f"{req.request_id}: {kv.base + len(kv.ends)} tokens translated of {req.num_tokens}")
+        untranslated = req.token_slice(kv.base + len(kv.ends), req.num_tokens)
+        return len(kv.tokens) + sum(len(self.bridge.translate(t)) for t in untranslated)

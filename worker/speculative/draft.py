@@ -290,8 +290,13 @@ class DraftModelProposer(Proposer):
             raise AssertionError(f"draft KV held for requests that are gone: {sorted(stray)}")
         self.blocks.pool.check(kv.block_table for kv in self.kv.values())
         for rid, kv in self.kv.items():
-            if kv.num_computed > by_id[rid].num_tokens:
-                raise AssertionError(f"{rid}: draft KV of {kv.num_computed} > {by_id[rid].num_tokens} tokens")
+            limit = self._computable(by_id[rid], kv)
+            if kv.num_computed > limit:
+                raise AssertionError(f"{rid}: draft KV of {kv.num_computed} > {limit} tokens")
+
+    def _computable(self, req: Request, kv: DraftKV) -> int:  # noqa: ARG002
+        """For :meth:`check`: the most tokens the draft's KV of ``req`` may hold (its sequence's length)."""
+        return req.num_tokens
 
     def check_idle(self) -> None:
         self.check([])
