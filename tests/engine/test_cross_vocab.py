@@ -295,3 +295,15 @@ def test_bad_vocab_mapping_settings_are_refused(kw, message):
 def test_a_vocab_mapping_for_a_draft_that_shares_the_tokenizer_is_refused():
     with pytest.raises(ValueError, match="the draft shares the target's tokenizer"):
         LLMEngine(EngineConfig(speculative_model="default", speculative_vocab_mapping="slem", num_kv_blocks=16))
+
+
+def test_a_larger_draft_vocabulary_without_tokenizers_is_refused(tmp_path):
+    """Without tokenizers nothing says how the ids map: a draft with more ids than the target is refused at load."""
+    from tests.engine.test_spec_distribution import _save_tiny
+
+    _save_tiny(tmp_path / "target", seed=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tests.engine.test_spec_distribution.VOCAB", 5)
+        _save_tiny(tmp_path / "draft", seed=3)
+    with pytest.raises(ValueError, match="no tokenizer says how the two map"):
+        _tiny_engine((tmp_path / "target", tmp_path / "draft"))

@@ -63,8 +63,6 @@ class CrossVocabProposer(DraftModelProposer):
     """The draft-model proposer for a draft with another tokenizer (TLI or SLEM); its vocabulary
     may be larger than the target's."""
 
-    shares_ids = False
-
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, bridge: VocabBridge) -> None:
         super().__init__(loaded, num_blocks, block_size, bridge.target_vocab, prefix_caching=False)
         self.bridge = bridge

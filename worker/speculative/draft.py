@@ -76,16 +76,10 @@ class DraftModelProposer(Proposer):
     """A draft model, its KV cache, its block pool and each request's place in it."""
 
     name = "draft"
-    shares_ids = True  # the draft's ids are the target's (a draft with another tokenizer: CrossVocabProposer)
 
     def __init__(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab: int, prefix_caching: bool = False
     ) -> None:
-        if self.shares_ids and loaded.config.vocab_size > target_vocab:
-            raise ValueError(
-                f"the draft's vocabulary ({loaded.config.vocab_size}) is larger than the target's ({target_vocab}): "
-                "draft and target must share a tokenizer"
-            )
         self.loaded = loaded
         self.kv_cache = KVCache(loaded.kv_config, num_blocks, block_size, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded, self.kv_cache)
