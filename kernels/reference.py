@@ -6,6 +6,7 @@ KV cache layout, per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,14 @@ import torch.nn.functional as F
 from draftwise.kernels.metadata import AttentionMetadata
 
 # Sequences with at most this many new tokens (decode, verify, short chunks) are attended
-# together as one padded batch; longer prompt chunks one at a time.
+# together in padded batches; longer prompt chunks one at a time.
 SHORT_QUERY_MAX = 32
+# The padded batches: sequences grouped by new-token count, each group padded to its longest
+# (1: decode; then verify rounds and short chunks up to each bound). One group for all would
+# pad sixteen decode rows to eight queries each when one request verifies seven drafts: the
+# attention of that step cost about as much as eight decode steps' (docs/benchmarks.md,
+# "Attention groups").
+SHORT_GROUP_BOUNDS = (1, 4, 8, 16, SHORT_QUERY_MAX)
 
 
 def write_kv_cache(
@@ -140,7 +147,7 @@ class _LongSeq:
 
 @dataclass
 class _Plan:
-    short: _ShortGroup | None
+    short: list[_ShortGroup]  # by new-token count (SHORT_GROUP_BOUNDS)
     long: list[_LongSeq]
 
 
@@ -148,41 +155,18 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     plan = meta.backend_state.get("torch")
     if plan is not None:
         return plan
-    device = meta.slot_mapping.device
     bs = meta.block_size
     qsl = [0]
     for q in meta.query_lens_cpu:
         qsl.append(qsl[-1] + q)
-    short_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q <= SHORT_QUERY_MAX]
     long_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
-    short = None
-    if short_ids:
-        qmax = max(meta.query_lens_cpu[i] for i in short_ids)
-        lmax = max(meta.seq_lens_cpu[i] for i in short_ids)
-        nb = -(-lmax // bs)
-        tok, val, pos = [], [], []
-        for i in short_ids:
-            q, s = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            tok.append([qsl[i] + min(j, q - 1) for j in range(qmax)])
-            val.append([j < q for j in range(qmax)])
-            pos.append([s - q + j if j < q else 0 for j in range(qmax)])
-        token_index = torch.tensor(tok, dtype=torch.int64, device=device)
-        flat_val = [i for i, v in enumerate(x for row in val for x in row) if v]
-        flat_tok = [x for row, vrow in zip(tok, val, strict=True) for x, v in zip(row, vrow, strict=True) if v]
-        idx = torch.tensor(short_ids, dtype=torch.int64, device=device)
-        dense = not long_ids and len(flat_val) == len(short_ids) * qmax
-        short = _ShortGroup(
-            token_index=token_index,
-            padded_valid=torch.tensor(flat_val, dtype=torch.int64, device=device),
-            flat_valid_index=torch.tensor(flat_tok, dtype=torch.int64, device=device),
-            dense=dense,
-            single_len=meta.seq_lens_cpu[short_ids[0]] if len(short_ids) == 1 and qmax == 1 else None,
-            block_tables=meta.block_tables.index_select(0, idx)[:, :nb].long(),
-            q_pos=torch.tensor(pos, dtype=torch.int64, device=device),
-            key_pos=torch.arange(nb * bs, device=device),
-            seq_lens=meta.seq_lens.index_select(0, idx).long(),
-            masks={},
-        )
+    buckets: dict[int, list[int]] = {}
+    for i, q in enumerate(meta.query_lens_cpu):
+        if q <= SHORT_QUERY_MAX:
+            buckets.setdefault(bisect.bisect_left(SHORT_GROUP_BOUNDS, q), []).append(i)
+    short = [
+        _short_group(meta, qsl, ids, whole=not long_ids and len(buckets) == 1) for _, ids in sorted(buckets.items())
+    ]
     long = []
     for i in long_ids:
         s = meta.seq_lens_cpu[i]
@@ -198,6 +182,36 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     plan = _Plan(short=short, long=long)
     meta.backend_state["torch"] = plan
     return plan
+
+
+def _short_group(meta: AttentionMetadata, qsl: list[int], ids: list[int], whole: bool) -> _ShortGroup:
+    """The padded batch of sequences ``ids`` (``whole``: they are the whole batch)."""
+    device = meta.slot_mapping.device
+    bs = meta.block_size
+    qmax = max(meta.query_lens_cpu[i] for i in ids)
+    lmax = max(meta.seq_lens_cpu[i] for i in ids)
+    nb = -(-lmax // bs)
+    tok, val, pos = [], [], []
+    for i in ids:
+        q, s = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        tok.append([qsl[i] + min(j, q - 1) for j in range(qmax)])
+        val.append([j < q for j in range(qmax)])
+        pos.append([s - q + j if j < q else 0 for j in range(qmax)])
+    flat_val = [i for i, v in enumerate(x for row in val for x in row) if v]
+    flat_tok = [x for row, vrow in zip(tok, val, strict=True) for x, v in zip(row, vrow, strict=True) if v]
+    idx = torch.tensor(ids, dtype=torch.int64, device=device)
+    return _ShortGroup(
+        token_index=torch.tensor(tok, dtype=torch.int64, device=device),
+        padded_valid=torch.tensor(flat_val, dtype=torch.int64, device=device),
+        flat_valid_index=torch.tensor(flat_tok, dtype=torch.int64, device=device),
+        dense=whole and len(flat_val) == len(ids) * qmax,
+        single_len=meta.seq_lens_cpu[ids[0]] if len(ids) == 1 and qmax == 1 else None,
+        block_tables=meta.block_tables.index_select(0, idx)[:, :nb].long(),
+        q_pos=torch.tensor(pos, dtype=torch.int64, device=device),
+        key_pos=torch.arange(nb * bs, device=device),
+        seq_lens=meta.seq_lens.index_select(0, idx).long(),
+        masks={},
+    )
 
 
 def _short_mask(g: _ShortGroup, window: int | None) -> torch.Tensor:
@@ -240,8 +254,7 @@ def paged_attention(
     out = torch.empty_like(q)
     h, d = k_cache.shape[-2:]
     gqa = q.shape[1] != h
-    g = plan.short
-    if g is not None:
+    for g in plan.short:
         G = g.block_tables.shape[0]
         qmax = g.token_index.shape[1]
         flat = g.block_tables.view(-1)  # index_select copies whole blocks: far faster than advanced indexing

@@ -30,8 +30,9 @@ def test_paged_attention_matches_dense(block_size, window, heads, kv_heads):
     torch.manual_seed(0)
     rng = random.Random(block_size * 31 + heads)
     d = 8
-    # (context before, new tokens): decode, verify, short and long prompt chunks
-    shapes = [(0, 1), (9, 1), (20, 4), (0, 40), (13, 37), (3, 32), (0, 33)]
+    # (context before, new tokens): decode, verify rounds of several lengths, short and long
+    # prompt chunks (every group of SHORT_GROUP_BOUNDS, some with more than one sequence)
+    shapes = [(0, 1), (9, 1), (20, 4), (7, 3), (5, 6), (2, 12), (0, 40), (13, 37), (3, 32), (0, 33)]
     seq_lens = [c + n for c, n in shapes]
     need = [-(-s // block_size) for s in seq_lens]
     pool = list(range(sum(need) + 3))
@@ -58,6 +59,27 @@ def test_paged_attention_matches_dense(block_size, window, heads, kv_heads):
         want = _naive(q[row : row + n], ks, vs, torch.arange(c, c + n), window)
         torch.testing.assert_close(out[row : row + n], want, atol=1e-5, rtol=1e-5)
         row += n
+
+
+def test_short_sequences_are_padded_only_to_their_groups_longest():
+    """Sixteen decode rows beside one verify round of five: the decode rows form their own
+    group of one query each (padded to five, their attention cost several times a decode
+    step's), and each group's output equals attending it alone."""
+    torch.manual_seed(1)
+    query_lens = [1] * 15 + [5]
+    seq_lens = [30 + 2 * i for i in range(16)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(16)]
+    meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, block_size=16)
+    plan = reference._plan(meta)
+    assert [g.token_index.shape for g in plan.short] == [(15, 1), (1, 5)] and not plan.long
+    k_cache, v_cache = torch.randn(64, 16, 2, 8), torch.randn(64, 16, 2, 8)
+    q = torch.randn(meta.num_tokens, 4, 8)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, 8**-0.5)
+    alone = AttentionMetadata.build(
+        query_lens=[1] * 15, seq_lens=seq_lens[:15], block_tables=tables[:15], block_size=16
+    )
+    torch.testing.assert_close(out[:15], reference.paged_attention(q[:15], k_cache, v_cache, alone, 8**-0.5))
+    assert len(reference._plan(alone).short) == 1 and reference._plan(alone).short[0].dense
 
 
 def test_metadata_slot_mapping():
