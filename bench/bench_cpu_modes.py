@@ -1,5 +1,5 @@
-"""The CPU weight modes against each other in one run: float32, ``--quantization fp16`` and
-``--quantization int8`` on the same model, batch-1 decode in-process (``LLM.generate``, as
+"""The CPU weight modes against each other in one run: float32, ``--quantization fp16``, ``int8``
+and ``int4`` on the same model, batch-1 decode in-process (``LLM.generate``, as
 ``bench_cpu.py``'s decode) and the model's weight products alone for 1 and 4 rows (every
 projection and the LM head back to back, weights streamed from memory as in a step), each as a
 ratio against float32 measured in the same run. Modes alternate over ``--rounds`` rounds; each
@@ -28,7 +28,7 @@ from benchlib import add_model_argument, for_model, machine, model_label, save_r
 from draftwise.worker.model.loader import load_model  # noqa: E402
 from draftwise.worker.paths import resolve_model  # noqa: E402
 
-MODES = {"float32": None, "fp16": "fp16", "int8": "int8"}
+MODES = {"float32": None, "fp16": "fp16", "int8": "int8", "int4": "int4"}
 
 
 def products_ms(path: Path, quantization: str | None, rows: int, repeats: int = 20) -> float:

@@ -379,7 +379,10 @@ def main() -> None:
     ap.add_argument("--fixed-k", action="store_true", help="always draft exactly k (the adaptive policy off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--quantization", default=None, choices=["fp16", "int8"], help="CPU float16 or int8 weights for every engine"
+        "--quantization",
+        default=None,
+        choices=["fp16", "int8", "int4"],
+        help="CPU float16, int8 or int4 weights for every engine",
     )
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per level; each method keeps its fastest")
     ap.add_argument(

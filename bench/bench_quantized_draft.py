@@ -1,11 +1,11 @@
-"""A float16 or int8 draft beside a float32 target (``speculative_quantization="fp16"`` /
-``"int8"``: weight-only, groups of 32 inputs) against the same draft in float32 and against plain
+"""A float16, int8 or int4 draft beside a float32 target (``speculative_quantization="fp16"`` /
+``"int8"`` / ``"int4"``: weight-only codes, a scale and minimum per 32 inputs) against the same draft in float32 and against plain
 decoding, in-process, greedy, on CPU; every ratio from measurements of the same run.
 
 The pair: the embedded target and its draft for the default model; for another model (``--model``)
 the model itself as its own draft (self-speculation: in float32 it would accept everything and
-save nothing, so only the float16 and int8 copies, about half and a quarter of the bytes per draft
-step, are worth running: the float32 row shows what drafting costs when the draft costs a target step).
+save nothing, so only the float16, int8 and int4 copies, about a half, a quarter and a sixth of the
+bytes per draft step, are worth running: the float32 row shows what drafting costs when the draft costs a target step).
 
 For each concurrency C (closed loop) every method runs ``--repeats`` times in turned order, each
 keeping its fastest run. Reported: output tokens/s, the ratio against plain, acceptance (accepted
@@ -67,6 +67,7 @@ def main() -> None:
         "draft float32": {"speculative_model": draft, **fixed},
         "draft fp16": {"speculative_model": draft, "speculative_quantization": "fp16", **fixed},
         "draft int8": {"speculative_model": draft, "speculative_quantization": "int8", **fixed},
+        "draft int4": {"speculative_model": draft, "speculative_quantization": "int4", **fixed},
     }
     llms = {m: LLM(**base, **spec) for m, spec in methods.items()}
     prompts = [
@@ -115,7 +116,7 @@ def main() -> None:
 
 def render(r: dict, args: argparse.Namespace) -> str:
     lines = [
-        '## A float16 or int8 draft beside a float32 target (speculative_quantization="fp16" / "int8")',
+        '## A float16, int8 or int4 draft beside a float32 target (speculative_quantization="fp16" / "int8" / "int4")',
         "",
         f"Command: `{r['command']}` — {time.strftime('%Y-%m-%d')}, {r['machine']}",
         "",
@@ -139,7 +140,7 @@ def render(r: dict, args: argparse.Namespace) -> str:
     for c in sorted({x["concurrency"] for x in r["rows"]}):
         by = {x["method"]: x for x in r["rows"] if x["concurrency"] == c}
         f32 = by["draft float32"]
-        for mode in ("fp16", "int8"):
+        for mode in ("fp16", "int8", "int4"):
             q = by.get(f"draft {mode}")
             if q is None:
                 continue

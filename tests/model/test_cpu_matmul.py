@@ -95,24 +95,76 @@ def test_pack_round_trips_and_refuses_what_it_cannot_hold():
     assert not cpu_matmul.packs(40) and cpu_matmul.packs(48)
 
 
-def test_int8_packs_round_trip_and_need_their_scales():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_code_panels_round_trip_and_need_their_scales_and_minimums(bits):
     w = torch.randn(48, 64)
-    panels, scales = cpu_matmul.pack_int8(w)
-    assert panels.shape == (3, 64, cpu_matmul.PANEL) and panels.dtype == torch.int8
-    assert scales.shape == (3, 64 // cpu_matmul.INT8_GROUP, cpu_matmul.PANEL) and scales.is_contiguous()
-    assert torch.equal(cpu_matmul.unpack(panels, scales), cpu_matmul.dequantize_int8(*cpu_matmul.quantize_int8(w)))
+    panels, sm = cpu_matmul.pack_quantized(w, bits)
+    assert panels.shape == (3, 64, cpu_matmul.PANEL * bits // 8) and panels.dtype == torch.uint8
+    assert sm.shape == (3, 64 // cpu_matmul.QUANT_GROUP, 2, cpu_matmul.PANEL) and sm.dtype == torch.float16
+    assert sm.is_contiguous() and panels.is_contiguous()
+    q, scale, minimum = cpu_matmul.quantize(w, bits)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 2**bits - 1
+    assert torch.equal(cpu_matmul.unpack(panels, sm), cpu_matmul.dequantize(q, scale, minimum))
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="int8 panels need their float32 scales"):
-        cpu_matmul.matmul(x, panels)  # no scales
-    with pytest.raises(ValueError, match="int8 panels need their float32 scales"):
-        cpu_matmul.matmul(x, panels, scales.transpose(1, 2).contiguous())  # the wrong layout
-    with pytest.raises(ValueError, match="int8 panels need their float32 scales"):
-        cpu_matmul.matmul(x, cpu_matmul.pack(w), scales)  # float panels take none
+    with pytest.raises(ValueError, match="code panels need their float16 scales and minimums"):
+        cpu_matmul.matmul(x, panels)  # none
+    with pytest.raises(ValueError, match="code panels need their float16 scales and minimums"):
+        cpu_matmul.matmul(x, panels, sm.transpose(1, 3).contiguous())  # the wrong layout
+    with pytest.raises(ValueError, match="code panels need their float16 scales and minimums"):
+        cpu_matmul.matmul(x, panels, sm.float())  # the wrong dtype
+    with pytest.raises(ValueError, match="code panels need their float16 scales and minimums"):
+        cpu_matmul.matmul(x, cpu_matmul.pack(w), sm)  # float panels take none
+    with pytest.raises(ValueError, match="matmul"):
+        cpu_matmul.matmul(x, panels[..., :3].contiguous(), sm)  # a width that is no code panel's
     with pytest.raises(ValueError, match="not a multiple of the group"):
-        cpu_matmul.quantize_int8(torch.randn(48, 40))
+        cpu_matmul.quantize(torch.randn(48, 40), bits)
     with pytest.raises(ValueError, match="cannot pack"):
-        cpu_matmul.pack_int8(torch.randn(40, 64))
-    assert cpu_matmul.packs_int8(48, 64) and not cpu_matmul.packs_int8(48, 40) and not cpu_matmul.packs_int8(40, 64)
+        cpu_matmul.pack_quantized(torch.randn(40, 64), bits)
+    with pytest.raises(ValueError, match="float16's range"):
+        cpu_matmul.quantize(torch.full((16, 32), 1e6), bits)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        cpu_matmul.quantize(w, 6)
+    assert cpu_matmul.packs_quantized(48, 64) and not cpu_matmul.packs_quantized(48, 40)
+    assert not cpu_matmul.packs_quantized(40, 64)
+
+
+def _gguf_blocks(rows: int, groups: int, kind: str) -> torch.Tensor:
+    """Weights as GGUF's dequantizer gives a Q4_1 (``d * q + m``, q spanning 0..15) or Q8_0 (``d * q``,
+    max |q| = 127) tensor: float16 d and m, float32 arithmetic."""
+    d = (torch.rand(rows, groups, 1) * 0.01 + 1e-3).half().float()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (rows, groups, 32)).float()
+        q[..., 0], q[..., 1] = 0, 15  # llama.cpp's Q4_1 maps a block's minimum to 0 and its maximum to 15
+        m = (torch.randn(rows, groups, 1) * 0.05).half().float()
+        return (d * q + m).reshape(rows, groups * 32)
+    q = torch.randint(-127, 128, (rows, groups, 32)).float()
+    q[..., 5] = 127 * torch.sign(torch.randn(rows, groups))  # Q8_0: d = max |w| / 127
+    return (q * d).reshape(rows, groups * 32)
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("q4_1", 8), ("q4_1", 4), ("q8_0", 8)])
+def test_gguf_blocks_are_held_exactly(kind, bits):
+    """Weights dequantized from GGUF's Q4_1 blocks are held exactly by 8- and 4-bit codes, Q8_0's by 8 bits:
+    each group finds its block's own grid, so the products are float32's, bit for bit."""
+    torch.manual_seed(bits)
+    w = _gguf_blocks(48, 6, kind)
+    assert torch.equal(cpu_matmul.dequantize(*cpu_matmul.quantize(w, bits)), w)
+    panels, sm = cpu_matmul.pack_quantized(w, bits)
+    x = torch.randn(5, w.shape[1])
+    assert torch.equal(cpu_matmul.matmul(x, panels, sm), cpu_matmul.matmul(x, cpu_matmul.pack(w)))
+
+
+def test_float_weights_round_to_half_a_step_of_their_groups_range():
+    torch.manual_seed(3)
+    w = torch.randn(32, 128) * 0.05 + 0.01
+    g = w.reshape(32, 4, 32)
+    spread = (g.amax(2) - g.amin(2))[..., None]
+    for bits in (8, 4):
+        err = (cpu_matmul.dequantize(*cpu_matmul.quantize(w, bits)) - w).reshape(32, 4, 32).abs()
+        step = spread / (2**bits - 1)
+        slack = (g.abs().amax(2, keepdim=True) + spread) * 2**-10  # the float16 scale's and minimum's rounding
+        assert (err <= step / 2 + slack).all(), bits
+        assert err.max() > step.min() / 8  # it did round
 
 
 def _linear(out_features: int = 64, in_features: int = 32) -> tuple[Linear, torch.Tensor]:
@@ -178,7 +230,7 @@ def test_the_library_is_built_once_and_then_read_from_the_cache(monkeypatch, tmp
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
-@pytest.mark.parametrize("mode", [None, "fp16", "int8"])
+@pytest.mark.parametrize("mode", [None, "fp16", "int8", "int4"])
 def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
     from draftwise.worker import default_model_path
     from draftwise.worker.model.loader import cpu_products, load_model
@@ -186,7 +238,7 @@ def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
     loaded = load_model(default_model_path(), quantization=mode)
     assert cpu_products(loaded.model) == "draftwise kernel"
     monkeypatch.setenv(cpu_matmul.ENV, "0")
-    if mode == "int8":  # no torch fallback: refused in one line
+    if mode in ("int8", "int4"):  # no torch fallback: refused in one line
         from draftwise.worker.model.model_config import ModelLoadError
 
         with pytest.raises(ModelLoadError, match="needs this package's CPU kernel"):

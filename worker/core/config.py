@@ -9,7 +9,7 @@ from pathlib import Path
 from draftwise.worker.paths import is_model_name
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
-QUANTIZATIONS = ("fp16", "int8")  # draftwise.worker.model.cpu_weights (torch-free here)
+QUANTIZATIONS = ("fp16", "int8", "int4")  # draftwise.worker.model.cpu_weights (torch-free here)
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 LOOKUP_METHODS = ("suffix", "ngram")
 """What ``speculative_lookup`` takes: a lookup drafting beside a model drafter."""
@@ -30,7 +30,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
     quantization: str | None = (
-        None  # "fp16" / "int8": CPU weights packed in float16 / int8 (a scale per output and 32 inputs), float32 activations (docs/models.md); None: the dtype's weights
+        None  # "fp16" / "int8" / "int4": CPU weights packed in float16 / 8- / 4-bit codes (a float16 scale and minimum per output and 32 inputs), float32 activations (docs/models.md); None: the dtype's weights
     )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step
@@ -68,7 +68,7 @@ class EngineConfig:
         None  # "suffix" | "ngram": a lookup beside a draft model, EAGLE or Medusa, the more promising drafts each step
     )
     speculative_quantization: str | None = (
-        None  # "fp16" / "int8": the draft model's weights packed so (CPU), whatever the target's; None: as the target's
+        None  # "fp16" / "int8" / "int4": the draft model's weights packed so (CPU), whatever the target's; None: as the target's
     )
     speculative_vocab_mapping: str = (
         "auto"  # a draft with another tokenizer: "tli" / "slem"; "auto": TLI when half the draft's tokens are shared

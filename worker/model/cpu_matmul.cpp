@@ -12,8 +12,9 @@
 // the panel from memory, later groups from the core's L2 (a panel is in * PANEL * 4 bytes:
 // 36-96 KiB for a 576-1536-wide model at float32).
 //
-// float32, float16 and int8 weights (float16 converted in registers with F16C; int8 sign-extended,
-// converted and scaled per group of 32 inputs and output); activations and accumulation are float32,
+// float32, float16, 8-bit and 4-bit weights (float16 converted in registers with F16C; 8- and 4-bit
+// codes widened, converted, scaled and offset per group of 32 inputs and output); activations and
+// accumulation are float32,
 // summed in blocks of KBLOCK inputs (each in input order), the blocks' sums added in order.
 //
 // Threads: an OpenMP loop over panels, on the OpenMP runtime the process already has loaded
@@ -37,12 +38,6 @@ static inline void load_w(const float* p, __m256& w0, __m256& w1) {
 static inline void load_w(const uint16_t* p, __m256& w0, __m256& w1) {
     w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-}
-
-static inline void load_w(const int8_t* p, __m256& w0, __m256& w1) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
 }
 
 // R rows (R <= ROWS_PER_PASS) times one panel: y[r, 0:PANEL] for each row r. The accumulators
@@ -116,14 +111,30 @@ static void matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t
     for (int64_t p = 0; p < panels; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
 }
 
-// int8 weights in groups of GROUP inputs, each group of a panel with its 16 float32 scales (one per output):
-// the weight is q * scale, formed in registers (exactly the float32 product unpack() gives) and used as the
-// float32 weight above.
+// Quantized weights: unsigned codes q of BITS bits (8: a byte per weight; 4: two per byte, output j of a
+// panel in the low nibble of byte j and output j + 8 in its high nibble) in groups of GROUP inputs; each
+// group of a panel has PANEL float16 scales, then PANEL float16 minimums (one per output). The weight is
+// q * scale + min, formed in registers with one FMA (exactly the float32 value unpack() gives: one
+// rounding of the exact value) and used as the float32 weight above.
 constexpr int GROUP = 32;
 
-template <int R>
-static void panel_rows_i8(const int8_t* panel, const float* scales, const float* x, int64_t ldx, int64_t in, float* y,
-                          int64_t ldy) {
+template <int BITS>
+static inline void load_q(const uint8_t* panel, int64_t k, __m256& w0, __m256& w1) {
+    if constexpr (BITS == 8) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * PANEL));
+        w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+    } else {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(panel + k * (PANEL / 2)));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(q, low)));
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+    }
+}
+
+template <int R, int BITS>
+static void panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float* x, int64_t ldx, int64_t in, float* y,
+                         int64_t ldy) {
     static_assert(R >= 1 && R <= ROWS_PER_PASS, "rows per pass");
     static_assert(KBLOCK % GROUP == 0, "blocks of whole groups");
     DW_DECLARE
@@ -131,14 +142,17 @@ static void panel_rows_i8(const int8_t* panel, const float* scales, const float*
         const int64_t k1 = k0 + KBLOCK < in ? k0 + KBLOCK : in;
         DW_ZERO
         for (int64_t g = k0; g < k1; g += GROUP) {
-            const __m256 s0 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL);
-            const __m256 s1 = _mm256_loadu_ps(scales + (g / GROUP) * PANEL + 8);
+            const uint16_t* s = sm + (g / GROUP) * 2 * PANEL;
+            const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+            const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
+            const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL)));
+            const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL + 8)));
             for (int64_t k = g; k < g + GROUP; ++k) {
                 __m256 w0, w1;
-                _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL), _MM_HINT_T0);
-                load_w(panel + k * PANEL, w0, w1);
-                w0 = _mm256_mul_ps(w0, s0);
-                w1 = _mm256_mul_ps(w1, s1);
+                _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL * BITS / 8), _MM_HINT_T0);
+                load_q<BITS>(panel, k, w0, w1);
+                w0 = _mm256_fmadd_ps(w0, s0, m0);
+                w1 = _mm256_fmadd_ps(w1, s1, m1);
                 DW_ROW(0) DW_ROW(1) DW_ROW(2) DW_ROW(3) DW_ROW(4) DW_ROW(5)
             }
         }
@@ -146,23 +160,24 @@ static void panel_rows_i8(const int8_t* panel, const float* scales, const float*
     }
 }
 
-static void matmul_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scales, int64_t out,
-                      float* y, int threads) {
+template <int BITS>
+static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w, const uint16_t* sm, int64_t out,
+                     float* y, int threads) {
     const int64_t panels = out / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t p = 0; p < panels; ++p) {
-        const int8_t* panel = w + p * in * PANEL;
-        const float* sc = scales + p * (in / GROUP) * PANEL;
+        const uint8_t* panel = w + p * in * PANEL * BITS / 8;
+        const uint16_t* s = sm + p * (in / GROUP) * 2 * PANEL;
         float* yp = y + p * PANEL;
         int64_t r = 0;
         for (; r + ROWS_PER_PASS <= rows; r += ROWS_PER_PASS)
-            panel_rows_i8<ROWS_PER_PASS>(panel, sc, x + r * in, in, in, yp + r * out, out);
+            panel_rows_q<ROWS_PER_PASS, BITS>(panel, s, x + r * in, in, in, yp + r * out, out);
         switch (rows - r) {
-            case 5: panel_rows_i8<5>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
-            case 4: panel_rows_i8<4>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
-            case 3: panel_rows_i8<3>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
-            case 2: panel_rows_i8<2>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
-            case 1: panel_rows_i8<1>(panel, sc, x + r * in, in, in, yp + r * out, out); break;
+            case 5: panel_rows_q<5, BITS>(panel, s, x + r * in, in, in, yp + r * out, out); break;
+            case 4: panel_rows_q<4, BITS>(panel, s, x + r * in, in, in, yp + r * out, out); break;
+            case 3: panel_rows_q<3, BITS>(panel, s, x + r * in, in, in, yp + r * out, out); break;
+            case 2: panel_rows_q<2, BITS>(panel, s, x + r * in, in, in, yp + r * out, out); break;
+            case 1: panel_rows_q<1, BITS>(panel, s, x + r * in, in, in, yp + r * out, out); break;
             default: break;
         }
     }
@@ -249,10 +264,15 @@ void dw_matmul_f16(const float* x, int64_t rows, int64_t in, const uint16_t* w, 
     matmul(x, rows, in, w, out, y, threads);
 }
 
-// w int8 panels [out / 16, in, 16] with scales [out / 16, in / 32, 16] float32 (in % 32 == 0): y = x @ (q * scale).T.
-int dw_int8_group(void) { return GROUP; }
-void dw_matmul_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, int64_t out, float* y, int threads,
-                  const float* scales) {
-    matmul_i8(x, rows, in, w, scales, out, y, threads);
+// w: codes of BITS (8 or 4) bits in panels [out / 16, in, 16 * BITS / 8] bytes; sm: float16 scales and
+// minimums [out / 16, in / 32, 2, 16] (in % 32 == 0): y = x @ (q * scale + min).T.
+int dw_quant_group(void) { return GROUP; }
+void dw_matmul_q8(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out, float* y, int threads,
+                  const uint16_t* sm) {
+    matmul_q<8>(x, rows, in, w, sm, out, y, threads);
+}
+void dw_matmul_q4(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out, float* y, int threads,
+                  const uint16_t* sm) {
+    matmul_q<4>(x, rows, in, w, sm, out, y, threads);
 }
 }

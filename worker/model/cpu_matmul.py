@@ -1,5 +1,6 @@
 """Weight-streaming products on CPU: this package's own AVX2 kernel (``cpu_matmul.cpp``) for
-``x @ W.T`` with float32, float16 or int8 weights (int8: a float32 scale per output and group of 32 inputs).
+``x @ W.T`` with float32, float16, 8-bit or 4-bit weights (the codes' float16 scale and minimum per output
+and group of 32 inputs).
 
 A decode step multiplies one row, or a few (a verify pass of drafted tokens, a small batch), by
 every weight, so it costs what streaming the weights from memory costs. PyTorch's CPU products
@@ -110,10 +111,11 @@ def _load() -> ctypes.CDLL:
     for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
         fn.argtypes = [*args, ctypes.c_int]
         fn.restype = None
-    lib.dw_matmul_i8.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
-    lib.dw_matmul_i8.restype = None
-    if lib.dw_int8_group() != INT8_GROUP:
-        raise RuntimeError(f"the kernel's int8 group is {lib.dw_int8_group()}, this module's {INT8_GROUP}")
+    for fn in (lib.dw_matmul_q8, lib.dw_matmul_q4):
+        fn.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = None
+    if lib.dw_quant_group() != QUANT_GROUP:
+        raise RuntimeError(f"the kernel's quantization group is {lib.dw_quant_group()}, this module's {QUANT_GROUP}")
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.dw_rms_norm_f32.argtypes = [p, p, p, f32, i64, i64, p, p, ctypes.c_int]
     lib.dw_rms_norm_f32.restype = None
@@ -163,86 +165,139 @@ def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return w.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
 
 
-INT8_GROUP = 32  # inputs per int8 scale (the kernel's dw_int8_group), as GGUF's Q8_0
+QUANT_GROUP = 32  # inputs per scale and minimum of 8- and 4-bit weights (the kernel's dw_quant_group), as GGUF's blocks
+QUANT_BITS = (8, 4)
+_QUANT_ROWS = 2048  # rows quantized at a time (bounds the float64 temporaries of a large vocabulary)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[out, in]`` (``in`` a multiple of INT8_GROUP) -> (int8 ``[out, in]``, float32 scales ``[out, in /
-    INT8_GROUP]``): symmetric, per output and group of INT8_GROUP inputs, ``scale = max|w| / 127`` (1 for an
-    all-zero group), values rounded to nearest. The weight's value is ``q * scale``."""
-    w = weight.detach().to(torch.float32)
-    out_features, in_features = w.shape
-    if in_features % INT8_GROUP:
-        raise ValueError(f"int8: {in_features} inputs are not a multiple of the group of {INT8_GROUP}")
-    g = w.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
-    scale = g.abs().amax(dim=2) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_features, in_features)
-    return q, scale.contiguous()
+def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[out, in]`` (``in`` a multiple of QUANT_GROUP) -> (codes uint8 ``[out, in]`` in ``0 .. 2**bits - 1``,
+    float16 scales and minimums ``[out, in / QUANT_GROUP]``): per output and group of QUANT_GROUP inputs, the
+    weight's value is ``q * scale + min`` (``dequantize``).
+
+    Each group takes whichever of a few grids represents it with the smallest largest error: its range in
+    ``2**bits - 1`` steps (asymmetric, as GGUF's Q4_1 and Q8_1 blocks); for 8 bits also its range in 15 steps
+    and ``max|w| / 127`` steps about zero (a 4-bit block's and a Q8_0 block's own grids). So weights read from
+    a GGUF file of Q4_0/Q4_1/Q8_0 blocks (aligned groups of 32) are held exactly, and others to half a step.
+    Raises ``ValueError`` where a scale or minimum is beyond float16's range."""
+    if bits not in QUANT_BITS:
+        raise ValueError(f"quantize: bits must be one of {QUANT_BITS}, got {bits}")
+    out_features, in_features = weight.shape
+    if in_features % QUANT_GROUP:
+        raise ValueError(f"int{bits}: {in_features} inputs are not a multiple of the group of {QUANT_GROUP}")
+    parts = [_quantize_rows(weight[i : i + _QUANT_ROWS], bits) for i in range(0, out_features, _QUANT_ROWS)]
+    return tuple(torch.cat(t) for t in zip(*parts, strict=True))  # type: ignore[return-value]
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` ``[out, in]`` float32 (each scale over its group of INT8_GROUP inputs)."""
-    return q.to(torch.float32) * scale.repeat_interleave(INT8_GROUP, dim=1)
+def _quantize_rows(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, in_features = weight.shape
+    g = weight.detach().to(torch.float64).reshape(rows, in_features // QUANT_GROUP, QUANT_GROUP)
+    low, high = g.amin(dim=2), g.amax(dim=2)
+    top = 2**bits - 1
+    grids = [((high - low) / top, low)]
+    if bits == 8:
+        step = g.abs().amax(dim=2) / 127
+        grids += [((high - low) / 15, low), (step, -128 * step)]
+    best = None
+    for scale, minimum in grids:
+        s16, m16 = scale.to(torch.float16), minimum.to(torch.float16)
+        if not (torch.isfinite(s16).all() and torch.isfinite(m16).all()):
+            raise ValueError(
+                f"int{bits}: a group of weights spans more than float16's range (max |w| {g.abs().max():.3g})"
+            )
+        s, m = s16.to(torch.float64)[..., None], m16.to(torch.float64)[..., None]
+        q = torch.where(s > 0, (g - m) / torch.where(s > 0, s, 1.0), 0.0).round_().clamp_(0, top)
+        err = ((q * s + m).to(torch.float32).to(torch.float64) - g).abs().amax(dim=2)
+        if best is None:
+            best = (q, s16, m16, err)
+            continue
+        better = err < best[3]
+        best = (
+            torch.where(better[..., None], q, best[0]),
+            torch.where(better, s16, best[1]),
+            torch.where(better, m16, best[2]),
+            torch.minimum(err, best[3]),
+        )
+    assert best is not None
+    q, s16, m16, _ = best
+    return q.to(torch.uint8).reshape(rows, in_features), s16, m16
 
 
-def packs_int8(out_features: int, in_features: int) -> bool:
-    """Whether an ``[out, in]`` weight is packed as int8 for the kernel on this machine."""
-    return in_features % INT8_GROUP == 0 and packs(out_features)
+def dequantize(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """``q * scale + min`` ``[out, in]`` float32, each rounded once from its exact value (as the kernel's FMA
+    forms it: the product of an 8-bit code and a float16 scale, plus a float16, is exact in float64)."""
+    s = scale.to(torch.float64).repeat_interleave(QUANT_GROUP, dim=1)
+    m = minimum.to(torch.float64).repeat_interleave(QUANT_GROUP, dim=1)
+    return (q.to(torch.float64) * s + m).to(torch.float32)
 
 
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[out, in]`` -> int8 panels ``[out / PANEL, in, PANEL]`` and their scales ``[out / PANEL, in /
-    INT8_GROUP, PANEL]`` (``quantize_int8``), both contiguous."""
+def packs_quantized(out_features: int, in_features: int) -> bool:
+    """Whether an ``[out, in]`` weight is packed as 8- or 4-bit codes for the kernel on this machine."""
+    return in_features % QUANT_GROUP == 0 and packs(out_features)
+
+
+def pack_quantized(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` -> code panels uint8 ``[out / PANEL, in, PANEL * bits / 8]`` (4 bits: output ``j`` of a
+    panel in the low nibble of byte ``j``, output ``j + 8`` in its high nibble) and their float16 scales and
+    minimums ``[out / PANEL, in / QUANT_GROUP, 2, PANEL]`` (``quantize``), both contiguous."""
     out_features, in_features = weight.shape
     if out_features % PANEL:
-        raise ValueError(f"cannot pack a [{out_features}, {in_features}] weight as int8 panels of {PANEL}")
-    q, scale = quantize_int8(weight)
-    panels = q.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
-    groups = in_features // INT8_GROUP
-    return panels, scale.reshape(out_features // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+        raise ValueError(f"cannot pack a [{out_features}, {in_features}] weight as int{bits} panels of {PANEL}")
+    q, scale, minimum = quantize(weight, bits)
+    panels = q.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
+    if bits == 4:
+        panels = panels[..., : PANEL // 2] | (panels[..., PANEL // 2 :] << 4)
+    groups = in_features // QUANT_GROUP
+    sm = torch.stack([scale, minimum], dim=1).reshape(out_features // PANEL, PANEL, 2, groups)
+    return panels.contiguous(), sm.permute(0, 3, 2, 1).contiguous()
 
 
-def unpack(panels: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Panels ``[P, in, PANEL]`` -> ``[P * PANEL, in]`` float32 (a copy; int8 panels times their ``scales``)."""
-    w = panels.transpose(1, 2).reshape(-1, panels.shape[1])
-    if scales is None:
-        return w.to(torch.float32)
-    return dequantize_int8(w, scales.transpose(1, 2).reshape(w.shape[0], -1))
+def _codes(panels: torch.Tensor) -> torch.Tensor:
+    """Code panels (``pack_quantized``) -> codes ``[P, in, PANEL]``."""
+    if panels.shape[2] == PANEL:
+        return panels
+    return torch.cat([panels & 0x0F, panels >> 4], dim=2)
 
 
-def matmul(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` for ``x`` ``[T, in]`` float32 and ``W``'s panels (``pack``; int8 panels with
-    their per-output ``scales``, ``pack_int8``): ``[T, out]`` float32. Only call when ``kernel()``
+def unpack(panels: torch.Tensor, sm: torch.Tensor | None = None) -> torch.Tensor:
+    """Panels ``[P, in, PANEL]`` -> ``[P * PANEL, in]`` float32 (a copy; code panels with their scales and
+    minimums ``sm``: ``dequantize``)."""
+    if sm is None:
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1]).to(torch.float32)
+    q = _codes(panels).transpose(1, 2).reshape(-1, panels.shape[1])
+    scale, minimum = (sm[:, :, i].transpose(1, 2).reshape(q.shape[0], -1) for i in (0, 1))
+    return dequantize(q, scale, minimum)
+
+
+def matmul(x: torch.Tensor, panels: torch.Tensor, sm: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[T, in]`` float32 and ``W``'s panels (``pack``; 8- or 4-bit code panels with
+    their scales and minimums ``sm``, ``pack_quantized``): ``[T, out]`` float32. Only call when ``kernel()``
     is not None."""
     lib = kernel()
     if lib is None:
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
     num_panels, in_features, width = panels.shape
-    if x.dim() != 2 or x.shape[1] != in_features or width != PANEL or not panels.is_contiguous():
-        raise ValueError(f"matmul: x {list(x.shape)} against panels {list(panels.shape)}")
-    if panels.dtype not in (torch.float16, torch.float32, torch.int8):
-        raise ValueError(f"matmul: panels of {panels.dtype}")
-    int8 = panels.dtype == torch.int8
-    want = (num_panels, in_features // INT8_GROUP, PANEL)
-    if int8 != (scales is not None) or (
-        scales is not None
+    codes = panels.dtype == torch.uint8
+    bits = 8 * width // PANEL if codes else 0
+    if x.dim() != 2 or x.shape[1] != in_features or width != (PANEL * bits // 8 if codes else PANEL):
+        raise ValueError(f"matmul: x {list(x.shape)} against panels {list(panels.shape)} of {panels.dtype}")
+    if not panels.is_contiguous() or panels.dtype not in (torch.float16, torch.float32, torch.uint8):
+        raise ValueError(f"matmul: panels of {panels.dtype} (contiguous: {panels.is_contiguous()})")
+    want = (num_panels, in_features // QUANT_GROUP, 2, PANEL)
+    if codes != (sm is not None) or (
+        sm is not None
         and (
-            in_features % INT8_GROUP
-            or scales.dtype != torch.float32
-            or tuple(scales.shape) != want
-            or not scales.is_contiguous()
+            in_features % QUANT_GROUP or sm.dtype != torch.float16 or tuple(sm.shape) != want or not sm.is_contiguous()
         )
     ):
-        raise ValueError(f"matmul: int8 panels need their float32 scales {list(want)}, other panels none")
+        raise ValueError(f"matmul: code panels need their float16 scales and minimums {list(want)}, other panels none")
     x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], num_panels * PANEL, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
     args = (x.data_ptr(), x.shape[0], in_features, panels.data_ptr(), num_panels * PANEL, y.data_ptr())
-    if int8:
-        assert scales is not None
-        fn, extra = lib.dw_matmul_i8, (torch.get_num_threads(), scales.data_ptr())
+    if sm is not None:
+        fn, extra = (lib.dw_matmul_q8 if bits == 8 else lib.dw_matmul_q4), (torch.get_num_threads(), sm.data_ptr())
     else:
         fn = lib.dw_matmul_f16 if panels.dtype == torch.float16 else lib.dw_matmul_f32
         extra = (torch.get_num_threads(),)

@@ -8,16 +8,20 @@ runs, else by ``torch.ops.quantized.linear_dynamic_fp16`` (fbgemm does the same 
 packing); both accumulate in float32, so only the weight's rounding differs from the float32
 path (relative 2^-11 per weight).
 
-``int8``: weight-only int8, symmetric per output and group of 32 inputs (``scale = max|w| / 127``
-over the group, as GGUF's Q8_0; 1.125 bytes a weight with the float32 scales, 0.28x float32's),
-multiplied by this package's kernel (int8 panels converted and scaled in registers); activations
-stay float32, so only the weight's rounding (half a scale step) differs. (One scale per output
-channel agreed with float32's argmax on 94.8% of SmolLM2-135M's positions, groups of 32 on 97.2%.) It needs
-the kernel (no torch fallback here: torch's weight-only int8 CPU product,
-``_weight_int8pack_mm``, ran 2.5x slower than float32 on this project's AVX2 machine, and
-fbgemm's dynamic int8 quantizes the activations too: 42% argmax agreement with float32 on
-SmolLM2-135M); a weight the kernel does not pack (output width not a multiple of its panel, or
-inputs not of whole groups) keeps its int8 values dequantized to float32 (same results, float32's
+``int8`` and ``int4``: weight-only 8- and 4-bit codes, per output and group of 32 inputs a float16 scale
+and minimum (the weight is ``q * scale + min``, each group on the grid that holds it best:
+``cpu_matmul.quantize``), multiplied by this package's kernel (codes widened, scaled and offset in
+registers with one FMA); activations stay float32, so only the weight's rounding differs. 1.125 and
+0.625 bytes a weight (0.28x and 0.16x float32's). Weights read from a GGUF file's Q4_1 and Q8_0 blocks
+are held exactly by int8, and those of Q4_1 blocks by int4, so on such a file (SmolLM2's Q4_1 one,
+its vocabulary in Q8_0) either mode computes what float32 does, bit for bit, from a quarter or a
+sixth of the bytes; float weights round to half a step of their group's range over 255 or 15 steps. int4 packs
+the LM head in int8 (as GGUF's 4-bit files keep the output and embedding at 6-8 bits: a 4-bit
+vocabulary costs the most accuracy for the fewest bytes). Both need the kernel (no torch fallback:
+torch's weight-only int8 CPU product, ``_weight_int8pack_mm``, ran 2.5x slower than float32 on this
+project's AVX2 machine, and fbgemm's dynamic int8 quantizes the activations too: 42% argmax agreement
+with float32 on SmolLM2-135M); a weight the kernel does not pack (output width not a multiple of its
+panel, or inputs not of whole groups) keeps its codes' values as float32 (same results, float32's
 bytes), or its float32 values where its inputs are not whole groups.
 
 On this project's 2-core AVX2 machine both beat every float32 kernel torch has, most where a
@@ -37,17 +41,18 @@ import torch
 
 from draftwise.worker.model import cpu_matmul
 
-QUANTIZATIONS = ("fp16", "int8")
+QUANTIZATIONS = ("fp16", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
 
 
 def check_supported(mode: str) -> None:
     """Raise ``ValueError`` (one line) unless this machine's torch can run ``mode``."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
-    if mode == "int8":
+    if mode in BITS:
         if cpu_matmul.kernel() is None:
             raise ValueError(
-                f"quantization='int8' needs this package's CPU kernel, which is not available here "
+                f"quantization={mode!r} needs this package's CPU kernel, which is not available here "
                 f"({cpu_matmul.unavailable_reason()}); use quantization='fp16' or none"
             )
         return
@@ -59,8 +64,8 @@ def check_supported(mode: str) -> None:
 
 
 class PackedWeight:
-    """A ``[out, in]`` weight packed for fbgemm; ``matmul(x)`` = ``x @ w.T`` for float32 ``x``
-    ``[T, in]``, no bias."""
+    """A ``[out, in]`` weight packed for this package's kernel (or fbgemm); ``matmul(x)`` = ``x @ w.T``
+    for float32 ``x`` ``[T, in]``, no bias."""
 
     def __init__(self, weight: torch.Tensor, mode: str) -> None:  # weight [out, in], any float dtype
         check_supported(mode)
@@ -70,17 +75,18 @@ class PackedWeight:
         self.mode = mode
         self.out_features = w.shape[0]
         self.numel = w.numel()
-        self._scales: torch.Tensor | None = None
-        self._dense: torch.Tensor | None = None  # int8 values the kernel does not pack, dequantized
+        self._scales: torch.Tensor | None = None  # codes' float16 scales and minimums
+        self._dense: torch.Tensor | None = None  # codes' values the kernel does not pack, dequantized
         self._packed = None
-        if mode == "int8":
+        if mode in BITS:
+            bits = BITS[mode]
             self._panels = None
-            if cpu_matmul.packs_int8(*w.shape):
-                self._panels, self._scales = cpu_matmul.pack_int8(w)
-                self.nbytes = w.numel() + 4 * self._scales.numel()
-            else:  # the kernel cannot take it: its int8 values (where they exist), as float32
-                fits = w.shape[1] % cpu_matmul.INT8_GROUP == 0
-                self._dense = cpu_matmul.dequantize_int8(*cpu_matmul.quantize_int8(w)) if fits else w
+            if cpu_matmul.packs_quantized(*w.shape):
+                self._panels, self._scales = cpu_matmul.pack_quantized(w, bits)
+                self.nbytes = self._panels.numel() + 2 * self._scales.numel()
+            else:  # the kernel cannot take it: its codes' values (where they exist), as float32
+                fits = w.shape[1] % cpu_matmul.QUANT_GROUP == 0
+                self._dense = cpu_matmul.dequantize(*cpu_matmul.quantize(w, bits)) if fits else w
                 self.nbytes = w.numel() * 4
             return
         self.nbytes = w.numel() * 2

@@ -29,6 +29,7 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+HEAD_QUANTIZATION = {"int4": "int8"}  # a 4-bit vocabulary costs the most accuracy for the fewest bytes
 MIN_BLOCK_COLUMNS = 64  # narrower column blocks cost more in per-block overhead than their thread brings
 MAX_BLOCKS = 8  # a few cores already draw what memory gives; more blocks only thin out large products
 
@@ -291,17 +292,18 @@ class LlamaModel(nn.Module):
 
     def quantize(self, mode: str) -> None:
         """Pack every projection and the LM head in lower precision for CPU (``Linear.quantize``;
-        after ``bind``). A tied LM head gets its own packed copy: the embedding keeps its float
+        after ``bind``; the head in int8 where the projections are int4: ``HEAD_QUANTIZATION``). A tied LM head gets its own packed copy: the embedding keeps its float
         rows for the lookups (a few rows a step, never streamed whole)."""
+        head_mode = HEAD_QUANTIZATION.get(mode, mode)
         for m in self.modules():
             if isinstance(m, Linear):
-                m.quantize(mode)
+                m.quantize(head_mode if m is self.lm_head else mode)
         if self.lm_head is None:
             embedding = self._embedding_dense().contiguous()
             self.embed_tokens.weight = nn.Parameter(embedding, requires_grad=False)
             head = Linear(self.config.hidden_size, self.local_config.vocab_size, bias=False, device="meta")
             head.weight = nn.Parameter(embedding, requires_grad=False)
-            head.quantize(mode)
+            head.quantize(head_mode)
             object.__setattr__(self, "_lm_head", head)
 
     def linears(self) -> list[Linear]:

@@ -141,7 +141,7 @@ def load_model(
     """Load ``folder`` (a Hugging Face checkpoint of a supported architecture, or a GGUF file).
     ``parallel``: (rank, ranks, collectives) of a tensor-parallel rank; only the rank's shard
     (``draftwise.worker.model.sharding``) is read and held. ``quantization``: pack the projections
-    and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16", "int8";
+    and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16", "int8", "int4";
     float32 activations, so ``dtype`` must be float32)."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
