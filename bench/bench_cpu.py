@@ -188,8 +188,7 @@ def start_ours(path: Path, quantization: str | None, threads: int, tmp: Path, ca
         "bench",
     ]
     argv += ["--port", "0", "--http-port", str(port), "--log-level", "info", "--log-format", "json"]
-    if quantization:
-        argv += ["--quantization", quantization]
+    argv += ["--quantization", quantization or "none"]  # none: float32 weights, not the default's exact codes
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     if cache is not None:
         env["DRAFTWISE_CACHE_DIR"] = str(cache)

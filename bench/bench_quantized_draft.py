@@ -58,6 +58,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     default = not args.model or is_default_model(args.model)
     base: dict = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": max(levels), "num_kv_blocks": 1024}
+    base["quantization"] = "none"  # a float32 target (the default keeps a GGUF file's exact codes)
     if not default:
         base["model"] = str(resolve_model(args.model))
     draft = "default" if default else base["model"]

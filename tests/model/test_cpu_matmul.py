@@ -128,7 +128,7 @@ def test_code_panels_round_trip_and_need_their_scales_and_minimums(bits):
     assert not cpu_matmul.packs_quantized(40, 64)
 
 
-def _gguf_blocks(rows: int, groups: int, kind: str) -> torch.Tensor:
+def gguf_blocks(rows: int, groups: int, kind: str) -> torch.Tensor:
     """Weights as GGUF's dequantizer gives a Q4_1 (``d * q + m``, q spanning 0..15) or Q8_0 (``d * q``,
     max |q| = 127) tensor: float16 d and m, float32 arithmetic."""
     d = (torch.rand(rows, groups, 1) * 0.01 + 1e-3).half().float()
@@ -147,7 +147,7 @@ def test_gguf_blocks_are_held_exactly(kind, bits):
     """Weights dequantized from GGUF's Q4_1 blocks are held exactly by 8- and 4-bit codes, Q8_0's by 8 bits:
     each group finds its block's own grid, so the products are float32's, bit for bit."""
     torch.manual_seed(bits)
-    w = _gguf_blocks(48, 6, kind)
+    w = gguf_blocks(48, 6, kind)
     assert torch.equal(cpu_matmul.dequantize(*cpu_matmul.quantize(w, bits)), w)
     panels, sm = cpu_matmul.pack_quantized(w, bits)
     x = torch.randn(5, w.shape[1])

@@ -29,7 +29,7 @@ from draftwise.worker.core.config import QUANTIZATIONS as CONFIG_QUANTIZATIONS
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
 from draftwise.worker.model import cpu_matmul
-from draftwise.worker.model.cpu_weights import BITS, QUANTIZATIONS, PackedWeight
+from draftwise.worker.model.cpu_weights import BITS, QUANTIZATIONS, PackedWeight, exact_codes
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.llama import Linear
 from draftwise.worker.model.loader import load_model
@@ -38,6 +38,7 @@ from draftwise.worker.model.model_runner import ModelRunner, SequenceChunk
 from draftwise.worker.text.tokenizer import load_tokenizer
 from tests.engine.test_spec_exactness import _config, _requests, run_alone, run_together
 from tests.model.smollm2 import require_smollm2
+from tests.model.test_cpu_matmul import gguf_blocks
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"  # held-out text: no model here was trained on it
 TOLERANCE_ABS = 0.15  # docs/models.md, "Lower-precision weights on CPU": max |logit diff| vs float32
@@ -379,7 +380,7 @@ def test_a_float16_draft_beside_a_float32_target_is_exact_and_accepts_as_the_flo
         ({"speculative_quantization": "int3", "speculative_model": "default"}, "speculative_quantization must be"),
         ({"speculative_quantization": "fp16", "speculative_method": "ngram"}, "applies to a draft model"),
         ({"speculative_quantization": "fp16", "speculative_model": "default", "device": "cuda"}, "needs device cpu"),
-        ({"quantization": "nf4"}, "quantization must be one of fp16, int8, int4"),
+        ({"quantization": "nf4"}, "quantization must be one of auto, none, fp16, int8, int4"),
         ({"quantization": "int8", "device": "cuda"}, "needs device cpu"),
         ({"quantization": "fp16", "device": "cuda"}, "needs device cpu"),
         ({"quantization": "fp16", "dtype": "bfloat16"}, "dtype float32 or auto"),
@@ -395,3 +396,50 @@ def test_the_loader_refuses_fp16_with_another_dtype():
     with pytest.raises(ModelLoadError, match="dtype float32 or auto") as e:
         load_model(default_model_path("target"), dtype="bfloat16", quantization="fp16")
     assert "\n" not in str(e.value)
+
+
+def test_exact_codes_take_the_fewest_bits_that_hold_a_weight_or_none():
+    torch.manual_seed(5)
+    q4 = exact_codes(gguf_blocks(96, 4, "q4_1"))
+    q8 = exact_codes(gguf_blocks(96, 4, "q8_0"))
+    assert q4 is not None and q4.mode == "int4" and q8 is not None and q8.mode == "int8"
+    assert exact_codes(torch.randn(96, 128) * 0.05) is None  # float values: on no grid
+    late = gguf_blocks(96, 4, "q4_1")
+    late[90, 7] += 1e-4  # off the grid beyond the rows probed first: the whole weight is checked too
+    assert exact_codes(late) is None
+    assert exact_codes(gguf_blocks(40, 4, "q4_1")) is None  # 40 outputs: not whole panels
+
+
+def test_auto_keeps_smollm2s_gguf_blocks_as_exact_codes():
+    """quantization="auto" (the engine's default) on SmolLM2's file: every projection as int4 and the tied head
+    as int8, the bytes int4's, the logits float32's bit for bit."""
+    path = require_smollm2()
+    ref = load_model(path)
+    auto = load_model(path, quantization="auto")
+    modes = [m.packed.mode for m in auto.model.linears() if m.packed is not None]
+    assert len(modes) == len(auto.model.linears()) and modes.count("int8") == 1 and set(modes) == {"int4", "int8"}
+    assert auto.streamed_bytes < 0.2 * ref.streamed_bytes
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(d.read_text()[:2000])[:120] for d in sorted(DOCS.glob("*.md"))[:2]]
+    ref_logits = _teacher_forced_logits(path, None, prompts)
+    assert all(
+        torch.equal(a, b) for a, b in zip(ref_logits, _teacher_forced_logits(path, "auto", prompts), strict=True)
+    )
+
+
+def test_auto_leaves_float_checkpoints_other_dtypes_and_a_missing_kernel_alone(monkeypatch):
+    loaded = load_model(default_model_path("target"), quantization="auto")  # safetensors: float values
+    assert not any(m.packed is not None for m in loaded.model.linears())
+    path = require_smollm2()
+    assert not any(
+        m.packed is not None for m in load_model(path, dtype="bfloat16", quantization="auto").model.linears()
+    )
+    monkeypatch.setenv(cpu_matmul.ENV, "0")
+    assert not any(m.packed is not None for m in load_model(path, quantization="auto").model.linears())
+    assert load_model(path, quantization="none").quantization is None
+
+
+def test_the_engine_keeps_exact_codes_by_default_and_none_turns_it_off():
+    assert EngineConfig().quantization == "auto"
+    EngineConfig(quantization="auto", device="cuda")  # a no-op there: not refused
+    EngineConfig(quantization="none", dtype="bfloat16")

@@ -9,7 +9,8 @@ from pathlib import Path
 from draftwise.worker.paths import is_model_name
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
-QUANTIZATIONS = ("fp16", "int8", "int4")  # draftwise.worker.model.cpu_weights (torch-free here)
+QUANTIZATIONS = ("fp16", "int8", "int4")  # packed modes; draftwise.worker.model.cpu_weights (torch-free here)
+QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)  # "auto": exact codes for a GGUF file's blocks; "none": off
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "medusa", "suffix")
 LOOKUP_METHODS = ("suffix", "ngram")
 """What ``speculative_lookup`` takes: a lookup drafting beside a model drafter."""
@@ -30,7 +31,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
     quantization: str | None = (
-        None  # "fp16" / "int8" / "int4": CPU weights packed in float16 / 8- / 4-bit codes (a float16 scale and minimum per output and 32 inputs), float32 activations (docs/models.md); None: the dtype's weights
+        "auto"  # "fp16" / "int8" / "int4": CPU weights packed in float16 / 8- / 4-bit codes (a float16 scale and minimum per output and 32 inputs), float32 activations (docs/models.md); "auto": on CPU in float32, a GGUF file's weights that 4- or 8-bit codes hold exactly kept so (the same results bit for bit); "none" or None: the dtype's weights
     )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step
@@ -79,9 +80,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         for name in ("quantization", "speculative_quantization"):
             mode = getattr(self, name)
-            if mode is not None and mode not in QUANTIZATIONS:
-                raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
-            if mode is not None and (self.device != "cpu" or self.dtype not in ("auto", "float32")):
+            if mode is not None and mode not in QUANTIZATION_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(QUANTIZATION_CHOICES)}, got {mode!r}")
+            if mode in QUANTIZATIONS and (self.device != "cpu" or self.dtype not in ("auto", "float32")):
                 raise ValueError(
                     f"{name}={mode!r} packs CPU weights for float32 activations: it needs device cpu and "
                     f"dtype float32 or auto (got device {self.device}, dtype {self.dtype})"

@@ -243,7 +243,16 @@ def pack_quantized(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     out_features, in_features = weight.shape
     if out_features % PANEL:
         raise ValueError(f"cannot pack a [{out_features}, {in_features}] weight as int{bits} panels of {PANEL}")
-    q, scale, minimum = quantize(weight, bits)
+    return pack_codes(*quantize(weight, bits), bits)
+
+
+def pack_codes(
+    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize``'s codes, scales and minimums -> ``pack_quantized``'s panels and their scales and minimums."""
+    out_features, in_features = q.shape
+    if out_features % PANEL or bits not in QUANT_BITS or (q.numel() and int(q.max()) >= 2**bits):
+        raise ValueError(f"cannot pack [{out_features}, {in_features}] codes as int{bits} panels of {PANEL}")
     panels = q.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
     if bits == 4:
         panels = panels[..., : PANEL // 2] | (panels[..., PANEL // 2 :] << 4)

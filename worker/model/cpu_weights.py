@@ -67,7 +67,10 @@ class PackedWeight:
     """A ``[out, in]`` weight packed for this package's kernel (or fbgemm); ``matmul(x)`` = ``x @ w.T``
     for float32 ``x`` ``[T, in]``, no bias."""
 
-    def __init__(self, weight: torch.Tensor, mode: str) -> None:  # weight [out, in], any float dtype
+    def __init__(
+        self, weight: torch.Tensor, mode: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        # weight [out, in], any float dtype; codes: cpu_matmul.quantize(weight, bits) where already made
         check_supported(mode)
         if weight.device.type != "cpu":
             raise ValueError(f"quantization={mode!r} runs on CPU only, got a weight on {weight.device}")
@@ -82,8 +85,10 @@ class PackedWeight:
             bits = BITS[mode]
             self._panels = None
             if cpu_matmul.packs_quantized(*w.shape):
-                self._panels, self._scales = cpu_matmul.pack_quantized(w, bits)
-                self.nbytes = self._panels.numel() + 2 * self._scales.numel()
+                q, scale, minimum = codes or cpu_matmul.quantize(w, bits)
+                panels, sm = cpu_matmul.pack_codes(q, scale, minimum, bits)
+                self._panels, self._scales = panels, sm
+                self.nbytes = panels.numel() + 2 * sm.numel()
             else:  # the kernel cannot take it: its codes' values (where they exist), as float32
                 fits = w.shape[1] % cpu_matmul.QUANT_GROUP == 0
                 self._dense = cpu_matmul.dequantize(*cpu_matmul.quantize(w, bits)) if fits else w
@@ -116,3 +121,24 @@ class PackedWeight:
             return self._dense.clone()
         w: Any = torch.ops.quantized.linear_unpack_fp16(self._packed)[0]
         return w.to(torch.float32)
+
+
+EXACT_PROBE_ROWS = 64  # rows tried first: a weight on no 8- or 4-bit grid fails there, before the whole is quantized
+
+
+def exact_codes(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` packed in the fewest bits that hold it exactly (int4, else int8: ``q * scale + min`` equal to
+    every value, so every product is the float32 one bit for bit), or None: its values lie on no such grid
+    (weights dequantized from a GGUF file's Q4_1 blocks do for int4, Q8_0's for int8; float weights do not), or
+    the kernel cannot pack it."""
+    if cpu_matmul.kernel() is None or not cpu_matmul.packs_quantized(*weight.shape):
+        return None
+    w = weight.detach().to(torch.float32)
+    for mode in ("int4", "int8"):
+        probe = w[:EXACT_PROBE_ROWS]
+        if not torch.equal(cpu_matmul.dequantize(*cpu_matmul.quantize(probe, BITS[mode])), probe):
+            continue
+        codes = cpu_matmul.quantize(w, BITS[mode])
+        if torch.equal(cpu_matmul.dequantize(*codes), w):
+            return PackedWeight(w, mode, codes)
+    return None

@@ -16,7 +16,7 @@ from torch import nn
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
 from draftwise.worker.model import cpu_matmul
-from draftwise.worker.model.cpu_weights import PackedWeight
+from draftwise.worker.model.cpu_weights import PackedWeight, exact_codes
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
 from draftwise.worker.model.sharding import Shard
@@ -87,6 +87,16 @@ class Linear(nn.Linear):
         the products use."""
         self.packed = PackedWeight(self.dense_weight(), mode)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def keep_exact_codes(self) -> str:
+        """Pack the weight as the fewest-bit codes that hold it exactly (``cpu_weights.exact_codes``): the
+        mode it took ("int4", "int8"), or "float32" where none does (then nothing changes)."""
+        packed = exact_codes(self.dense_weight()) if self.packed is None else None
+        if packed is None:
+            return "float32" if self.packed is None else self.packed.mode
+        self.packed = packed
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return packed.mode
 
     def dense_weight(self) -> torch.Tensor:  # [out, in]
         if self.packed is not None:
@@ -305,6 +315,28 @@ class LlamaModel(nn.Module):
             head.weight = nn.Parameter(embedding, requires_grad=False)
             head.quantize(head_mode)
             object.__setattr__(self, "_lm_head", head)
+
+    def keep_exact_codes(self) -> dict[str, int]:
+        """Pack every projection, and the LM head, that 8- or 4-bit codes hold exactly (``Linear.keep_exact_codes``;
+        after ``bind``): the same products bit for bit from a fraction of the bytes. A tied head so held gets its
+        own packed copy, as in ``quantize``; one that is not stays the embedding's. How many took each mode."""
+        taken: dict[str, int] = {}
+        for m in self.modules():
+            if isinstance(m, Linear):
+                mode = m.keep_exact_codes()
+                taken[mode] = taken.get(mode, 0) + 1
+        if self.lm_head is None:
+            embedding = self._embedding_dense().contiguous()
+            packed = exact_codes(embedding)
+            mode = "float32" if packed is None else packed.mode
+            taken[mode] = taken.get(mode, 0) + 1
+            if packed is not None:
+                self.embed_tokens.weight = nn.Parameter(embedding, requires_grad=False)
+                head = Linear(self.config.hidden_size, self.local_config.vocab_size, bias=False, device="meta")
+                head.weight = nn.Parameter(embedding.new_empty(0), requires_grad=False)
+                head.packed = packed
+                object.__setattr__(self, "_lm_head", head)
+        return taken
 
     def linears(self) -> list[Linear]:
         """Every projection, and the tied LM head laid out or packed on CPU (not a submodule)."""

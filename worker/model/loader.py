@@ -46,7 +46,7 @@ class LoadedModel:
     device: torch.device
     weight_bytes: int  # bytes of parameters and packed weights in memory
     streamed_bytes: int = 0  # bytes of weights a decode step reads whole (LlamaModel.streamed_bytes)
-    quantization: str | None = None  # CPU lower-precision weights ("fp16"), None: the dtype's
+    quantization: str | None = None  # CPU lower-precision weights ("fp16", "int8", "int4", "auto"), None: the dtype's
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -142,7 +142,9 @@ def load_model(
     ``parallel``: (rank, ranks, collectives) of a tensor-parallel rank; only the rank's shard
     (``draftwise.worker.model.sharding``) is read and held. ``quantization``: pack the projections
     and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16", "int8", "int4";
-    float32 activations, so ``dtype`` must be float32)."""
+    float32 activations, so ``dtype`` must be float32); "auto": on CPU in float32 with the kernel, keep a GGUF
+    file's weights that 4- or 8-bit codes hold exactly as those codes (``LlamaModel.keep_exact_codes``: the
+    same products bit for bit, a fraction of the bytes), anything else as None; None or "none": the dtype's."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)
     ckpt = None  # the open GGUF file
@@ -161,7 +163,9 @@ def load_model(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"{folder}: device {device} requested but CUDA is not available")
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    if quantization is not None:
+    if quantization == "none":
+        quantization = None
+    if quantization not in (None, "auto"):
         _check_quantization(folder, quantization, torch_dtype, device)
     files, weight_map = ([folder], None) if gguf else _weight_files(folder)
 
@@ -220,7 +224,11 @@ def load_model(
             where = ", ".join(f.name for f in files)
             raise ModelLoadError(f"{folder}: tensor {missing!r} not found in {where}")
     model.bind(device)
-    if quantization is not None:
+    kept = None
+    if quantization == "auto":
+        if gguf and device.type == "cpu" and torch_dtype == torch.float32 and cpu_matmul.kernel() is not None:
+            kept = model.keep_exact_codes()
+    elif quantization is not None:
         model.quantize(quantization)
     model.eval()
     packed = [m.packed.numel for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
@@ -231,6 +239,7 @@ def load_model(
         architecture=cfg.architecture,
         dtype=str(torch_dtype).removeprefix("torch."),
         quantization=quantization,
+        exact_codes=kept,
         device=str(device),
         params_m=round(param_count / 1e6, 2),
         cpu_products=cpu_products(model) if device.type == "cpu" else None,
