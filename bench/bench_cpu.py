@@ -4,8 +4,8 @@
    package's kernel (``worker/model/cpu_matmul.py``) and by torch's (column blocks, fbgemm:
    what runs with ``DRAFTWISE_CPU_KERNELS=0``), and torch's CPU kernels not offered (weight-only
    int8 and int4, fbgemm's dynamic int8, with its accuracy against float32).
-1. ``decode``: batch-1 decode tokens/s, in-process (``LLM.generate``) for float32 and float16
-   weights (``--quantization fp16``), against ``llama-bench`` (tg) on the F32, F16, Q8_0 and
+1. ``decode``: batch-1 decode tokens/s, in-process (``LLM.generate``) for float32, float16, int8
+   and int4 weights (``--quantization none|fp16|int8|int4``), against ``llama-bench`` (tg) on the F32, F16, Q8_0 and
    Q4_1 files, and against the memory roofline (bytes a step streams / read bandwidth).
 2. ``served``: the same over HTTP (``draftwise serve`` vs ``llama-server``, one request at a
    time, non-streamed): decode tokens/s and time to first token of a 256-token prompt; our
@@ -56,6 +56,7 @@ MODES = {
     "float32": ("F32", None),
     "fp16": ("F16", "fp16"),
     "int8": ("Q8_0", "int8"),
+    "int4": ("Q4_1", "int4"),  # the model's own file: int4 holds its Q4_1 weights exactly (and int8 its Q8_0 ones)
 }  # ours -> (llama.cpp file, --quantization)
 
 

@@ -124,6 +124,11 @@ def test_code_panels_round_trip_and_need_their_scales_and_minimums(bits):
         cpu_matmul.quantize(torch.full((16, 32), 1e6), bits)
     with pytest.raises(ValueError, match="bits must be one of"):
         cpu_matmul.quantize(w, 6)
+    q, scale, minimum = cpu_matmul.quantize(w, 8)
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_matmul.pack_codes(q, scale, minimum, 4)  # 8-bit codes do not fit in 4 bits
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_matmul.pack_codes(q, scale, minimum, 6)
     assert cpu_matmul.packs_quantized(48, 64) and not cpu_matmul.packs_quantized(48, 40)
     assert not cpu_matmul.packs_quantized(40, 64)
 

@@ -443,3 +443,25 @@ def test_the_engine_keeps_exact_codes_by_default_and_none_turns_it_off():
     assert EngineConfig().quantization == "auto"
     EngineConfig(quantization="auto", device="cuda")  # a no-op there: not refused
     EngineConfig(quantization="none", dtype="bfloat16")
+
+
+def test_a_heads_weights_are_kept_in_the_fewest_bits_that_hold_them_under_auto():
+    """A shipped head's projections are float16 values: under "auto" they are packed as float16 and give the
+    float32 products bit for bit; its LM-head rows (the embedded target's float32 embedding) stay float32."""
+    from draftwise.worker.speculative.heads import HEADS_DIR, load_head
+
+    target = load_model(default_model_path("target"))
+    cpu = torch.device("cpu")
+    plain = load_head(HEADS_DIR / "default-eagle", target.model, torch.float32, cpu)
+    coded = load_head(HEADS_DIR / "default-eagle", target.model, torch.float32, cpu, exact_codes=True)
+
+    def linears(head) -> list[Linear]:
+        return [m for m in [*head.module.modules(), head.lm_head] if isinstance(m, Linear)]
+
+    assert all(m.packed is None for m in linears(plain))
+    assert all(m.packed is not None and m.packed.mode == "fp16" for m in linears(coded)[:-1])
+    assert coded.lm_head.packed is None
+    torch.manual_seed(0)
+    for a, b in zip(linears(plain), linears(coded), strict=True):
+        x = torch.randn(3, a.in_features)
+        assert torch.equal(a(x), b(x))

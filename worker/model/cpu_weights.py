@@ -128,17 +128,21 @@ EXACT_PROBE_ROWS = 64  # rows tried first: a weight on no 8- or 4-bit grid fails
 
 def exact_codes(weight: torch.Tensor) -> PackedWeight | None:
     """``weight`` packed in the fewest bits that hold it exactly (int4, else int8: ``q * scale + min`` equal to
-    every value, so every product is the float32 one bit for bit), or None: its values lie on no such grid
-    (weights dequantized from a GGUF file's Q4_1 blocks do for int4, Q8_0's for int8; float weights do not), or
-    the kernel cannot pack it."""
-    if cpu_matmul.kernel() is None or not cpu_matmul.packs_quantized(*weight.shape):
+    every value; else fp16: every value a float16 one), so that every product is the float32 one bit for bit
+    (the kernel forms each weight in registers and sums as its float32 products do), or None: its values lie on
+    no such grid, or the kernel cannot pack it. Weights dequantized from a GGUF file's Q4_1 blocks take int4,
+    Q8_0's int8, float16 checkpoints' fp16; float32 and bfloat16 values generally none."""
+    out_features, in_features = weight.shape
+    if cpu_matmul.kernel() is None or not cpu_matmul.packs(out_features):
         return None
     w = weight.detach().to(torch.float32)
-    for mode in ("int4", "int8"):
+    for mode in ("int4", "int8") if in_features % cpu_matmul.QUANT_GROUP == 0 else ():
         probe = w[:EXACT_PROBE_ROWS]
         if not torch.equal(cpu_matmul.dequantize(*cpu_matmul.quantize(probe, BITS[mode])), probe):
             continue
         codes = cpu_matmul.quantize(w, BITS[mode])
         if torch.equal(cpu_matmul.dequantize(*codes), w):
             return PackedWeight(w, mode, codes)
+    if torch.equal(w.to(torch.float16).to(torch.float32), w):
+        return PackedWeight(w, "fp16")
     return None

@@ -295,9 +295,14 @@ def find_head(kind: str, fingerprint: dict[str, int | float]) -> Path:
     raise ModelLoadError(f"no {kind} head was trained for this target ({have}); give --speculative-model <head folder>")
 
 
-def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device) -> LoadedHead:
+def load_head(
+    folder: Path, target: LlamaModel, dtype: torch.dtype, device: torch.device, exact_codes: bool = False
+) -> LoadedHead:
     """Load the head in ``folder`` for ``target``; ModelLoadError (one line) when it was
-    trained for another target or is malformed."""
+    trained for another target or is malformed. ``exact_codes`` (on CPU in float32): keep each of the
+    head's projections, and its LM-head rows, in the fewest bits that hold them exactly
+    (``Linear.keep_exact_codes``: a float16 head's weights as float16, a Q8_0 vocabulary's rows as
+    int8), the same products bit for bit from fewer bytes per draft step."""
     from safetensors.torch import load_file
 
     cfg = HeadConfig.read(folder)
@@ -335,7 +340,12 @@ def load_head(folder: Path, target: LlamaModel, dtype: torch.dtype, device: torc
     target.feature_layers = module.feature_layers if isinstance(module, EagleHead) else ()
     dense = target._embedding_dense() if target.lm_head is None else target.lm_head.dense_weight()  # noqa: SLF001
     ids = draft_ids.to(device)
-    return LoadedHead(cfg, folder, module, ids, draft_lm_head(dense[ids]))
+    lm_head = draft_lm_head(dense[ids])
+    if exact_codes and device.type == "cpu" and dtype == torch.float32:
+        for m in [*module.modules(), lm_head]:
+            if isinstance(m, Linear):
+                m.keep_exact_codes()
+    return LoadedHead(cfg, folder, module, ids, lm_head)
 
 
 def save_head(

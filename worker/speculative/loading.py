@@ -100,7 +100,7 @@ def load_spec_head(config: EngineConfig, target: LoadedModel) -> LoadedHead | No
         return None
     name = config.speculative_model
     folder = find_head(kind, target_fingerprint(target.model)) if name is None or str(name) == "default" else Path(name)
-    return load_head(folder, target.model, target.dtype, target.device)
+    return load_head(folder, target.model, target.dtype, target.device, exact_codes=target.quantization == "auto")
 
 
 def head_kv_bytes_per_block(head: LoadedHead | None, target: LoadedModel, block_size: int) -> int:
