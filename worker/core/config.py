@@ -31,7 +31,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on CUDA)
     device: str = "cpu"  # cpu | cuda | cuda:N
     quantization: str | None = (
-        "auto"  # "fp16" / "int8" / "int4": CPU weights packed in float16 / 8- / 4-bit codes (a float16 scale and minimum per output and 32 inputs), float32 activations (docs/models.md); "auto": on CPU in float32, a GGUF file's weights that 4- or 8-bit codes hold exactly kept so (the same results bit for bit); "none" or None: the dtype's weights
+        "auto"  # "fp16" / "int8" / "int4": CPU weights packed in float16 / 8- / 4-bit codes (a float16 scale and minimum per output and 32 inputs), float32 activations (docs/models.md); "auto": on CPU in float32, a GGUF file's weights that int8 or float16 codes hold exactly kept so (the same results bit for bit); "none" or None: the dtype's weights
     )
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # requests in one step

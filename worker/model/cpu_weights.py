@@ -123,26 +123,35 @@ class PackedWeight:
         return w.to(torch.float32)
 
 
-EXACT_PROBE_ROWS = 64  # rows tried first: a weight on no 8- or 4-bit grid fails there, before the whole is quantized
+EXACT_PROBE_ROWS = 64  # rows tried first: a weight on no 8-bit grid fails there, before the whole is quantized
+EXACT_MODES = ("int8", "fp16")
+"""What ``exact_codes`` tries, in order. Not int4, though it holds a Q4_1 block in half int8's bytes: a
+one-row product is bound by widening codes, not by memory, on this project's 2-core AVX2 machine, and int4's
+take more instructions (SmolLM2's Q4_1 file, batch-1 decode interleaved in one run: int8 51.8 / 48.5 / 44.3
+tokens/s, int4 42.4 / 49.0 / 39.6; docs/models.md). ``--quantization int4`` keeps it where memory matters."""
 
 
 def exact_codes(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` packed in the fewest bits that hold it exactly (int4, else int8: ``q * scale + min`` equal to
-    every value; else fp16: every value a float16 one), so that every product is the float32 one bit for bit
-    (the kernel forms each weight in registers and sums as its float32 products do), or None: its values lie on
-    no such grid, or the kernel cannot pack it. Weights dequantized from a GGUF file's Q4_1 blocks take int4,
-    Q8_0's int8, float16 checkpoints' fp16; float32 and bfloat16 values generally none."""
+    """``weight`` packed in int8 codes (``q * scale + min`` equal to every value) or float16 (every value a
+    float16 one), whichever first holds it exactly (``EXACT_MODES``), so that every product is the float32 one
+    bit for bit (the kernel forms each weight in registers and sums as its float32 products do); None where
+    neither does, or the kernel cannot pack it. Weights dequantized from a GGUF file's Q4_1 or Q8_0 blocks take
+    int8, a float16 checkpoint's fp16; float32 and bfloat16 values generally neither."""
     out_features, in_features = weight.shape
     if cpu_matmul.kernel() is None or not cpu_matmul.packs(out_features):
         return None
     w = weight.detach().to(torch.float32)
-    for mode in ("int4", "int8") if in_features % cpu_matmul.QUANT_GROUP == 0 else ():
+    for mode in EXACT_MODES:
+        if mode == "fp16":
+            if torch.equal(w.to(torch.float16).to(torch.float32), w):
+                return PackedWeight(w, mode)
+            continue
         probe = w[:EXACT_PROBE_ROWS]
-        if not torch.equal(cpu_matmul.dequantize(*cpu_matmul.quantize(probe, BITS[mode])), probe):
+        if in_features % cpu_matmul.QUANT_GROUP or not torch.equal(
+            cpu_matmul.dequantize(*cpu_matmul.quantize(probe, BITS[mode])), probe
+        ):
             continue
         codes = cpu_matmul.quantize(w, BITS[mode])
         if torch.equal(cpu_matmul.dequantize(*codes), w):
             return PackedWeight(w, mode, codes)
-    if torch.equal(w.to(torch.float16).to(torch.float32), w):
-        return PackedWeight(w, "fp16")
     return None

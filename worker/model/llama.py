@@ -89,8 +89,8 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def keep_exact_codes(self) -> str:
-        """Pack the weight as the fewest-bit codes that hold it exactly (``cpu_weights.exact_codes``): the
-        mode it took ("int4", "int8"), or "float32" where none does (then nothing changes)."""
+        """Pack the weight in codes that hold it exactly (``cpu_weights.exact_codes``): the mode it took
+        ("int8", "fp16"), or "float32" where none does (then nothing changes)."""
         packed = exact_codes(self.dense_weight()) if self.packed is None else None
         if packed is None:
             return "float32" if self.packed is None else self.packed.mode
@@ -317,7 +317,7 @@ class LlamaModel(nn.Module):
             object.__setattr__(self, "_lm_head", head)
 
     def keep_exact_codes(self) -> dict[str, int]:
-        """Pack every projection, and the LM head, that 8- or 4-bit codes hold exactly (``Linear.keep_exact_codes``;
+        """Pack every projection, and the LM head, that int8 or float16 codes hold exactly (``Linear.keep_exact_codes``;
         after ``bind``): the same products bit for bit from a fraction of the bytes. A tied head so held gets its
         own packed copy, as in ``quantize``; one that is not stays the embedding's. How many took each mode."""
         taken: dict[str, int] = {}

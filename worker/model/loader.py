@@ -143,7 +143,7 @@ def load_model(
     (``draftwise.worker.model.sharding``) is read and held. ``quantization``: pack the projections
     and LM head in lower precision on CPU (``draftwise.worker.model.cpu_weights``: "fp16", "int8", "int4";
     float32 activations, so ``dtype`` must be float32); "auto": on CPU in float32 with the kernel, keep a GGUF
-    file's weights that 4- or 8-bit codes hold exactly as those codes (``LlamaModel.keep_exact_codes``: the
+    file's weights that int8 or float16 codes hold exactly as those codes (``LlamaModel.keep_exact_codes``: the
     same products bit for bit, a fraction of the bytes), anything else as None; None or "none": the dtype's."""
     folder = Path(folder)
     gguf = is_gguf_path(folder)

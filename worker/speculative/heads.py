@@ -300,7 +300,7 @@ def load_head(
 ) -> LoadedHead:
     """Load the head in ``folder`` for ``target``; ModelLoadError (one line) when it was
     trained for another target or is malformed. ``exact_codes`` (on CPU in float32): keep each of the
-    head's projections, and its LM-head rows, in the fewest bits that hold them exactly
+    head's projections, and its LM-head rows, in codes that hold them exactly
     (``Linear.keep_exact_codes``: a float16 head's weights as float16, a Q8_0 vocabulary's rows as
     int8), the same products bit for bit from fewer bytes per draft step."""
     from safetensors.torch import load_file
