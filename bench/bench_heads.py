@@ -381,8 +381,8 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default=None,
-        choices=["fp16", "int8", "int4"],
-        help="CPU float16, int8 or int4 weights for every engine",
+        choices=["auto", "none", "fp16", "int8", "int4"],
+        help="the engines' weights on CPU (default: the engine's, auto)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per level; each method keeps its fastest")
     ap.add_argument(
