@@ -51,11 +51,23 @@ def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams)
     return out, steps
 
 
+def _steady_costs(engine: LLMEngine) -> None:
+    """Target step times from a fixed cost curve (10 ms plus 0.5 ms a token) instead of the clock: the
+    cost model still learns each step size from what it records and extrapolates as it does from the
+    clock, but on a machine loaded by a full test run measured verify steps once looked too dear and
+    the policy rightly stopped drafting (12 plain steps in the tail: the test failed, and passed alone)."""
+    spec = engine.spec
+    assert spec is not None
+    costs = spec.policy.costs
+    spec.record_target_step = lambda n, _seconds: costs.record_target(n, 0.010 + 0.0005 * n)  # type: ignore[method-assign]
+
+
 def test_repetitive_text_keeps_speculating_at_batch1(one_thread):
     ids = load_tokenizer(default_model_path("target")).encode(REPETITIVE)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     plain, _ = _run(_engine(), "plain", ids, params)
     engine = _engine(speculative_method="ngram")
+    _steady_costs(engine)
     _run(engine, "warm-up", ids, params)  # costs of plain and verify steps measured
     sizes = sorted(engine.spec.policy.costs._verify)
     assert 1 in sizes and any(s > 1 for s in sizes), sizes
