@@ -167,21 +167,14 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     short = [
         _short_group(meta, qsl, ids, whole=not long_ids and len(buckets) == 1) for _, ids in sorted(buckets.items())
     ]
-    long = []
-    for i in long_ids:
-        s = meta.seq_lens_cpu[i]
-        long.append(
-            _LongSeq(
-                start=qsl[i],
-                end=qsl[i + 1],
-                seq_len=s,
-                blocks=meta.block_tables[i, : -(-s // bs)].long(),
-                masks={},
-            )
-        )
-    plan = _Plan(short=short, long=long)
+    plan = _Plan(short=short, long=[_long_seq(meta, qsl, i) for i in long_ids])
     meta.backend_state["torch"] = plan
     return plan
+
+
+def _long_seq(meta: AttentionMetadata, qsl: list[int], i: int) -> _LongSeq:
+    s = meta.seq_lens_cpu[i]
+    return _LongSeq(qsl[i], qsl[i + 1], s, meta.block_tables[i, : -(-s // meta.block_size)].long(), {})
 
 
 def _short_group(meta: AttentionMetadata, qsl: list[int], ids: list[int], whole: bool) -> _ShortGroup:
@@ -278,16 +271,42 @@ def paged_attention(
             return o.reshape(q.shape)
         out.index_copy_(0, g.flat_valid_index, o.reshape(G * qmax, *q.shape[1:]).index_select(0, g.padded_valid))
     for s in plan.long:
-        keys = k_cache.index_select(0, s.blocks).view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        vals = v_cache.index_select(0, s.blocks).view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]
-        qq = q[s.start : s.end].transpose(0, 1)[None]  # [1, H, q, D]
-        o = F.scaled_dot_product_attention(
-            qq,
-            keys.to(q.dtype),
-            vals.to(q.dtype),
-            attn_mask=_long_mask(s, sliding_window, q.device),
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out[s.start : s.end] = o[0].transpose(0, 1)
+        _attend_long(q, k_cache, v_cache, s, scale, sliding_window, out)
     return out
+
+
+def _attend_long(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: _LongSeq, scale: float, window: int | None, out
+) -> None:
+    h, d = k_cache.shape[-2:]
+    keys = k_cache.index_select(0, s.blocks).view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    vals = v_cache.index_select(0, s.blocks).view(-1, h, d)[: s.seq_len].transpose(0, 1)[None]
+    qq = q[s.start : s.end].transpose(0, 1)[None]  # [1, H, q, D]
+    o = F.scaled_dot_product_attention(
+        qq,
+        keys.to(q.dtype),
+        vals.to(q.dtype),
+        attn_mask=_long_mask(s, window, q.device),
+        scale=scale,
+        enable_gqa=q.shape[1] != h,
+    )
+    out[s.start : s.end] = o[0].transpose(0, 1)
+
+
+def paged_attention_of(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    ids: list[int],
+) -> None:
+    """``paged_attention``'s rows of the sequences ``ids`` written into ``out``, each sequence on its own (as
+    the twin attends a long prompt chunk): for a kernel that leaves some sequences to torch."""
+    qsl = [0]
+    for n in meta.query_lens_cpu:
+        qsl.append(qsl[-1] + n)
+    for i in ids:
+        _attend_long(q, k_cache, v_cache, _long_seq(meta, qsl, i), scale, sliding_window, out)

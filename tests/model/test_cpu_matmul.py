@@ -214,7 +214,7 @@ def test_without_a_working_compiler_the_kernel_is_left_out_with_a_reason(broken,
     else:
         bad = tmp_path / "bad.cpp"
         bad.write_text("this is not C++\n")
-        monkeypatch.setattr(cpu_matmul, "SOURCE", bad)
+        monkeypatch.setattr(cpu_matmul, "SOURCES", (bad, *cpu_matmul.SOURCES[1:]))
     assert cpu_matmul.kernel() is None
     reason = cpu_matmul.unavailable_reason()
     assert reason and ("no C++ compiler" in reason if broken == "no compiler" else "failed" in reason), reason

@@ -51,7 +51,8 @@ from draftwise.worker.paths import draftwise_cache_dir
 PANEL = 16  # output columns per panel (the kernel's dw_panel_width)
 ENV = "DRAFTWISE_CPU_KERNELS"  # "0": use torch's products
 PROFILER_NAME = "draftwise::cpu_matmul"  # what torch's profiler records a call as
-SOURCE = Path(__file__).with_name("cpu_matmul.cpp")
+SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.cpp") for name in ("matmul", "attention", "layer"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -78,7 +79,8 @@ def _build(cxx: str) -> Path:
     """The compiled kernel, from the cache or compiled now (atomically: processes that start
     together each compile to a file of their own and rename it into place)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:20]
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(sources + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:20]
     folder = draftwise_cache_dir() / "kernels"
     target = folder / f"cpu_matmul-{key}.so"
     if target.is_file():
@@ -87,7 +89,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -121,6 +123,14 @@ def _load() -> ctypes.CDLL:
     lib.dw_rms_norm_f32.restype = None
     lib.dw_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
     lib.dw_rope_f32.restype = None
+    lib.dw_paged_attention_f32.argtypes = [p, i64, p, p, *[i64] * 4, p, p, p, i64, p, i64, f32, i64, p, ctypes.c_int]
+    lib.dw_paged_attention_f32.restype = None
+    lib.dw_write_kv_f32.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64]
+    lib.dw_write_kv_f32.restype = i64
+    lib.dw_layer_scratch.argtypes = [p, i64]
+    lib.dw_layer_scratch.restype = i64
+    lib.dw_layer_forward.argtypes = [p] * 9
+    lib.dw_layer_forward.restype = i64
     if lib.dw_panel_width() != PANEL:
         raise RuntimeError(f"the kernel's panel width is {lib.dw_panel_width()}, this module's {PANEL}")
     return lib

@@ -100,6 +100,11 @@ class PackedWeight:
         self._packed = None if self._panels is not None else torch.ops.quantized.linear_prepack_fp16(w, None)
 
     @property
+    def panels(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The kernel's panels and (codes) their scales and minimums, or None where the kernel does not multiply it."""
+        return None if self._panels is None else (self._panels, self._scales)
+
+    @property
     def kernel(self) -> str:
         if self._panels is not None:
             return "draftwise"

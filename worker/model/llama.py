@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, dispatch
-from draftwise.worker.model import cpu_matmul
+from draftwise.worker.model import cpu_attention, cpu_layer, cpu_matmul
 from draftwise.worker.model.cpu_weights import PackedWeight, exact_codes
 from draftwise.worker.model.model_config import ModelConfig
 from draftwise.worker.model.rope import RotaryEmbedding, apply_rope
@@ -23,6 +23,9 @@ from draftwise.worker.model.sharding import Shard
 
 # RMSNorm on CPU: this package's kernel (float32, no gradients; the torch twin otherwise)
 dispatch.register("rms_norm", "cpu", "draftwise-cpu", cpu_matmul.rms_norm)
+# paged attention and KV writes on CPU: the library's (float32 on CPU; the torch twins otherwise)
+dispatch.register("paged_attention", "cpu", "draftwise-cpu", cpu_attention.paged_attention)
+dispatch.register("write_kv_cache", "cpu", "draftwise-cpu", cpu_attention.write_kv_cache)
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -41,6 +44,14 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None
     panels: bool = False  # the weight is stored as the CPU kernel's panels (cpu_matmul)
+    layout_version = 0
+    """Bumped whenever any projection's weight, bias or packing is set: the fused CPU layers
+    (``cpu_layer``) point into them and are rebuilt when it moves."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("weight", "bias", "packed"):
+            Linear.layout_version += 1
+        super().__setattr__(name, value)
 
     def set_cpu_layout(self, parts: int | None) -> None:
         """Lay the weight out for ``parts`` threads (None: the checkpoint's ``[out, in]``).
@@ -264,6 +275,7 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
         self._lm_head: Linear | None = None  # a tied LM head laid out on CPU (set_cpu_layout), unregistered
+        self._fused_layers: cpu_layer.FusedLayers | None = None  # the layers as the CPU library's (cpu_layer.plan)
         self.feature_layers: tuple[int, ...] = ()
         """Layers whose output stream :meth:`forward` returns too, after the final hidden state (an
         EAGLE-3 head fuses them; set before graphs are captured)."""
@@ -386,11 +398,15 @@ class LlamaModel(nn.Module):
         x = self._embed(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual = None
-        streams = []
-        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, cos_sin, kc, vc, meta, backend)
-            if i in self.feature_layers:
-                streams.append(x + residual)
+        fused = cpu_layer.plan(self, x, meta, backend)  # every layer in one call each, where the step allows
+        if fused is not None:
+            x, residual, streams = cpu_layer.forward(fused, self, x, cos_sin, kv_caches, meta)
+        else:
+            streams = []
+            for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                x, residual = layer(x, residual, cos_sin, kc, vc, meta, backend)
+                if i in self.feature_layers:
+                    streams.append(x + residual)
         x, _ = self.norm(x, residual)
         return torch.cat([x, *streams], dim=-1) if streams else x
 

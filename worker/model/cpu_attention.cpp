@@ -1,0 +1,152 @@
+// Paged attention and KV-cache writes for CPU decoding, float32: compiled into the same library as
+// cpu_matmul.cpp (cpu_matmul.py builds both).
+//
+// A decode step attends each new token over its context in the paged cache. PyTorch does that by
+// gathering every sequence's blocks into a padded batch (index_select) and running its attention op
+// on it: a handful of ops and their Python overhead per layer, and a copy of the whole context. Here
+// one call per layer reads the blocks where they are.
+//
+// Work items: (new token, KV head). An item scores the token's query heads that share the KV head
+// (grouped-query attention) against every key it may see (causal, and within the sliding window
+// when there is one), takes a softmax per head (the maximum subtracted, exponentials from a
+// polynomial good to ~2 ulp) and sums the value rows with those weights; the result is divided by
+// the weights' sum. Items run on OpenMP threads when the step has enough of them.
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace {
+
+constexpr int MAX_GROUP = 16;  // query heads per KV head this kernel takes (the caller checks)
+
+struct Shape {
+    const float* q;
+    int64_t ldq;  // floats between tokens' query rows; a token's heads are contiguous, d apart
+    const float* kc;
+    const float* vc;
+    int64_t block_size, heads, kv_heads, d;
+    const int32_t* tables;
+    int64_t table_width;
+    float scale;
+    int64_t window;  // 0: none; else a token at p sees keys p - window + 1 .. p
+    float* out;      // [T, heads, d] contiguous
+};
+
+// Value rows weighted by w[0 .. n) added into acc (d floats, a multiple of 8) for keys lo .. lo + n.
+void weighted_values(const Shape& s, const int32_t* table, int64_t g, int64_t lo, int64_t n, const float* w,
+                     float* acc) {
+    const int64_t row = s.kv_heads * s.d;
+    for (int64_t d0 = 0; d0 < s.d; d0 += 64) {
+        const int chunks = static_cast<int>((s.d - d0 < 64 ? s.d - d0 : 64) / 8);
+        __m256 a[8];
+        for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t pos = lo + i;
+            const float* v = s.vc + (table[pos / s.block_size] * s.block_size + pos % s.block_size) * row + g * s.d + d0;
+            const __m256 wi = _mm256_set1_ps(w[i]);
+            for (int c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * c), a[c]);
+        }
+        for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
+    }
+}
+
+// One item: token t (at position pos, of the sequence whose block table is `table`), KV head g.
+void attend_item(const Shape& s, int64_t t, int64_t pos, const int32_t* table, int64_t g, std::vector<float>& scratch) {
+    const int64_t group = s.heads / s.kv_heads;
+    const int64_t lo = s.window > 0 && pos - s.window + 1 > 0 ? pos - s.window + 1 : 0;
+    const int64_t n = pos - lo + 1;
+    const int64_t padded = (n + 7) & ~int64_t(7);
+    if (static_cast<int64_t>(scratch.size()) < group * padded) scratch.resize(group * padded);
+    float* sc = scratch.data();
+    const float* q0 = s.q + t * s.ldq + g * group * s.d;
+    const int64_t row = s.kv_heads * s.d;
+    for (int64_t i = 0; i < n; ++i) {  // scores: every query head of the group against key lo + i
+        const int64_t p = lo + i;
+        const float* k = s.kc + (table[p / s.block_size] * s.block_size + p % s.block_size) * row + g * s.d;
+        for (int64_t h = 0; h < group; ++h) {
+            const float* qh = q0 + h * s.d;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t j = 0; j < s.d; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), _mm256_loadu_ps(k + j), a);
+            sc[h * padded + i] = hsum(a) * s.scale;
+        }
+    }
+    for (int64_t h = 0; h < group; ++h) {  // softmax weights, unnormalized, then the weighted values / their sum
+        float* w = sc + h * padded;
+        float m = w[0];
+        for (int64_t i = 1; i < n; ++i) m = w[i] > m ? w[i] : m;
+        for (int64_t i = n; i < padded; ++i) w[i] = -__builtin_inff();
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t i = 0; i < padded; i += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(w + i), mv));
+            _mm256_storeu_ps(w + i, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float* o = s.out + (t * s.heads + g * group + h) * s.d;
+        weighted_values(s, table, g, lo, n, w, o);
+        const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
+        for (int64_t j = 0; j < s.d; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), inv));
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int dw_attention_max_group(void) { return MAX_GROUP; }
+
+// Causal attention of the new tokens of sequences seq_ids[0 .. n_ids) over their contexts in the paged cache
+// (their KV already written). q: [T, heads, d] rows ldq floats apart; caches [blocks, block_size, kv_heads, d];
+// qsl [S + 1] and seq_lens [S] int32 (the flat batch's); tables [S, table_width] int32; out [T, heads, d].
+// d a multiple of 8, heads a multiple of kv_heads, heads / kv_heads <= MAX_GROUP (the caller checks).
+void dw_paged_attention_f32(const float* q, int64_t ldq, const float* kc, const float* vc, int64_t block_size,
+                            int64_t heads, int64_t kv_heads, int64_t d, const int32_t* qsl, const int32_t* seq_lens,
+                            const int32_t* tables, int64_t table_width, const int32_t* seq_ids, int64_t n_ids,
+                            float scale, int64_t window, float* out, int threads) {
+    const Shape s{q, ldq, kc, vc, block_size, heads, kv_heads, d, tables, table_width, scale, window, out};
+    std::vector<int64_t> items;  // (token, sequence) pairs, then KV heads within each
+    int64_t work = 0;
+    for (int64_t j = 0; j < n_ids; ++j) {
+        const int32_t i = seq_ids[j];
+        for (int64_t t = qsl[i]; t < qsl[i + 1]; ++t) {
+            items.push_back(t);
+            items.push_back(i);
+        }
+        work += (qsl[i + 1] - qsl[i]) * static_cast<int64_t>(seq_lens[i]);
+    }
+    const int64_t n_items = static_cast<int64_t>(items.size() / 2) * kv_heads;
+    const bool parallel = threads > 1 && work * heads * d >= (int64_t(1) << 18);
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+        std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            const int64_t k = it / kv_heads, g = it % kv_heads;
+            const int64_t t = items[2 * k], i = items[2 * k + 1];
+            const int64_t pos = seq_lens[i] - (qsl[i + 1] - qsl[i]) + (t - qsl[i]);
+            attend_item(s, t, pos, tables + i * table_width, g, scratch);
+        }
+    }
+}
+
+// KV rows of T new tokens into the paged caches at their slots (slot < 0: padding, skipped). k and v:
+// [T, kv_heads, d] rows ldk / ldv floats apart, each row's heads contiguous; caches [slots, kv_heads, d].
+// Returns -1, or (nothing written) the first slot at or beyond `capacity`.
+int64_t dw_write_kv_f32(const float* k, int64_t ldk, const float* v, int64_t ldv, const int64_t* slots,
+                        int64_t tokens, int64_t width, float* kc, float* vc, int64_t capacity) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] >= capacity) return slots[t];
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(kc + slot * width, k + t * ldk, width * sizeof(float));
+        memcpy(vc + slot * width, v + t * ldv, width * sizeof(float));
+    }
+    return -1;
+}
+}
