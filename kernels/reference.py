@@ -155,7 +155,6 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     plan = meta.backend_state.get("torch")
     if plan is not None:
         return plan
-    bs = meta.block_size
     qsl = [0]
     for q in meta.query_lens_cpu:
         qsl.append(qsl[-1] + q)

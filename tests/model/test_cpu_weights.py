@@ -28,7 +28,7 @@ from draftwise.worker import default_model_path
 from draftwise.worker.core.config import QUANTIZATIONS as CONFIG_QUANTIZATIONS
 from draftwise.worker.core.config import EngineConfig
 from draftwise.worker.engine.llm_engine import LLMEngine
-from draftwise.worker.model import cpu_matmul
+from draftwise.worker.model import cpu_layer, cpu_matmul
 from draftwise.worker.model.cpu_weights import BITS, QUANTIZATIONS, PackedWeight, exact_codes
 from draftwise.worker.model.kv_cache import KVCache
 from draftwise.worker.model.llama import Linear
@@ -311,10 +311,18 @@ def test_a_decode_step_converts_no_weight_and_runs_on_the_configured_threads(mod
     monkeypatch.setattr(
         cpu_matmul, "matmul", lambda x, panels, scales=None: calls.append(panels.shape) or matmul(x, panels, scales)
     )
+    fused = []  # layers run by the fused CPU path (cpu_layer: each of its projections one kernel product)
+    forward = cpu_layer.forward
+    monkeypatch.setattr(
+        cpu_layer,
+        "forward",
+        lambda f, *a: fused.append(len(f.layers)) or forward(f, *a),  # pyright: ignore
+    )
     threads = torch.get_num_threads()
     engine = LLMEngine(_config(num_kv_blocks=32, quantization=mode))
     model = engine.loaded.model
     calls.clear()
+    fused.clear()
     copies, events = _weight_copies(engine)
     assert torch.get_num_threads() == threads
     assert not copies, [(e.name, e.input_shapes) for e in copies[:5]]
@@ -324,13 +332,14 @@ def test_a_decode_step_converts_no_weight_and_runs_on_the_configured_threads(mod
     steps = 3 + 4  # _step_ops runs the warm-up request's 3 steps and the profiled request's 4
     if kernels == "draftwise":
         assert all(m.panels or m.packed is not None for m in model.linears())
-        assert len(calls) == products * steps, (len(calls), products)
+        assert fused, "decode steps take the fused layers"
+        assert len(calls) + 4 * sum(fused) == products * steps, (len(calls), sum(fused), products)
         assert torch_products == 0 and fbgemm_products == 0
     elif mode == "fp16":
-        assert not calls and fbgemm_products == products
+        assert not calls and not fused and fbgemm_products == products
     else:
         # column blocks (one batched product each) with several threads, [in, out] (one product each) with one
-        assert not calls and torch_products == products
+        assert not calls and not fused and torch_products == products
         assert not any(e.name.startswith("quantized::") for e in events)
 
 

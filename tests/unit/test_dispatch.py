@@ -27,16 +27,21 @@ def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
 
 
 def test_every_op_has_a_twin_picked_on_cpu() -> None:
-    """On CPU every op runs its twin, except RMSNorm once the model is imported: the model
-    registers the CPU kernel library's (which falls back to the twin itself where it does
-    not apply: tests/model/test_cpu_ops.py)."""
-    from draftwise.worker.model import cpu_matmul, llama  # noqa: F401 - registers rms_norm for CPU
+    """On CPU every op runs its twin, except RMSNorm, paged attention and the KV write once the
+    model is imported: the model registers the CPU kernel library's (each falls back to the twin
+    itself where it does not apply: tests/model/test_cpu_ops.py, test_cpu_attention.py)."""
+    from draftwise.worker.model import cpu_attention, cpu_matmul, llama  # noqa: F401 - registers them for CPU
 
     assert set(MINE) | {"paged_attention"} == set(dispatch.OPS)
+    library = {
+        "rms_norm": cpu_matmul.rms_norm,
+        "paged_attention": cpu_attention.paged_attention,
+        "write_kv_cache": cpu_attention.write_kv_cache,
+    }
     for op in dispatch.OPS:
-        if op == "rms_norm":
+        if op in library:
             assert dispatch.backend_name(op, "cpu") == "draftwise-cpu"
-            assert dispatch.impl(op, "cpu") is cpu_matmul.rms_norm
+            assert dispatch.impl(op, "cpu") is library[op]
         else:
             assert dispatch.backend_name(op, "cpu") == "torch"
             assert dispatch.impl(op, "cpu") is getattr(reference, op)

@@ -118,14 +118,18 @@ def test_rms_norm_with_residual():
 
 
 def test_dispatch_picks_twin_on_cpu():
-    from draftwise.worker.model import cpu_matmul, llama  # noqa: F401 - the model registers RMSNorm's CPU kernel
+    from draftwise.worker.model import cpu_attention, cpu_matmul, llama  # noqa: F401 - the model registers its CPU ops
 
+    library = {"rms_norm": cpu_matmul.rms_norm, "paged_attention": cpu_attention.paged_attention}
+    library["write_kv_cache"] = cpu_attention.write_kv_cache
     for op in dispatch.OPS:
-        if op == "rms_norm":  # the kernel library's (it calls this twin itself where it does not apply)
-            assert dispatch.impl(op, "cpu") is cpu_matmul.rms_norm
+        if op in library:  # the kernel library's (each calls this twin itself where it does not apply)
+            assert dispatch.impl(op, "cpu") is library[op]
+            assert dispatch.impl(op, "cpu", prefer_reference=True) is getattr(reference, op)
             continue
         assert dispatch.backend_name(op, "cpu") == "torch"
         assert dispatch.impl(op, "cpu") is getattr(reference, op)
-    assert get_attention_backend("cpu").name == "torch"
+    assert get_attention_backend("cpu").name == "draftwise-cpu"
+    assert get_attention_backend("cpu", prefer_reference=True).name == "torch"
     with pytest.raises(ValueError, match="unknown op"):
         dispatch.impl("nope", "cpu")

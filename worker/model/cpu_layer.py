@@ -16,15 +16,15 @@ long prompt chunk. Otherwise the modules run as before.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from draftwise.kernels import AttentionBackend, AttentionMetadata, reference
 from draftwise.worker.model import cpu_attention, cpu_matmul
 
-if TYPE_CHECKING:
-    from draftwise.worker.model.llama import DecoderLayer, Linear, LlamaModel
+# The model's classes (llama.py imports this module) are typed Any here: a Linear, DecoderLayer, LlamaModel.
+Linear = DecoderLayer = LlamaModel = Any
 
 KINDS = {torch.float32: 0, torch.float16: 1}  # panels' dtype -> the kernel's weight kind; codes: 2 (8-bit), 3 (4-bit)
 
@@ -71,10 +71,8 @@ def _weight(linear: Linear, keep: list[Any]) -> DwWeight | None:
         if not isinstance(held, tuple):
             return None
         panels, sm = held
-        if panels.dtype == torch.uint8:
-            kind = 2 if panels.shape[2] == cpu_matmul.PANEL else 3
-        else:
-            kind = KINDS[panels.dtype]
+        codes = 2 if panels.shape[2] == cpu_matmul.PANEL else 3  # 8-bit or 4-bit
+        kind = codes if panels.dtype == torch.uint8 else KINDS[panels.dtype]
     elif linear.panels and linear.weight.dtype == torch.float32:
         panels, sm, kind = linear.weight.transpose(1, 2), None, 0
     else:
@@ -82,7 +80,7 @@ def _weight(linear: Linear, keep: list[Any]) -> DwWeight | None:
     if not panels.is_contiguous():
         return None
     keep += [panels, sm, bias]
-    ptr = (lambda t: None if t is None else t.data_ptr())  # noqa: E731
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     return DwWeight(kind, panels.data_ptr(), ptr(sm), ptr(bias), panels.shape[0] * cpu_matmul.PANEL, panels.shape[1])
 
 
@@ -123,7 +121,7 @@ class FusedLayers:
 
 def plan(model: LlamaModel, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> FusedLayers | None:
     """The model's fused layers where this step can take them, else None (the modules run)."""
-    from draftwise.worker.model.llama import Linear
+    from draftwise.worker.model import llama
 
     lib = cpu_matmul.kernel()
     if (
@@ -139,8 +137,9 @@ def plan(model: LlamaModel, x: torch.Tensor, meta: AttentionMetadata, backend: A
     ):
         return None
     fused = model._fused_layers
-    if fused is None or fused.version != Linear.layout_version:
-        fused = FusedLayers(model, Linear.layout_version)
+    version = llama.Linear.layout_version
+    if fused is None or fused.version != version:
+        fused = FusedLayers(model, version)
         object.__setattr__(model, "_fused_layers", fused)
     if (
         fused.layers is None

@@ -8,7 +8,7 @@ projections are fused (one matmul each); the loader splits checkpoint tensors in
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ class Linear(nn.Linear):
     """Bumped whenever any projection's weight, bias or packing is set: the fused CPU layers
     (``cpu_layer``) point into them and are rebuilt when it moves."""
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
         if name in ("weight", "bias", "packed"):
             Linear.layout_version += 1
         super().__setattr__(name, value)
