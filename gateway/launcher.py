@@ -143,25 +143,9 @@ def device_plan(
     return plan
 
 
-def decode_threads(args: Sequence[str], threads: int, num_workers: int, cores: int) -> tuple[str, ...]:
-    """A CPU worker's ``args`` with ``--decode-threads`` one fewer than its ``threads`` when the
-    workers' threads take every core (the gateway then shares them: a decode step's team of
-    threads stalls whenever the gateway preempts one; measured on 2 cores, docs/benchmarks.md),
-    unless the flag is given or the worker has a single thread or runs on CUDA or several ranks."""
-    device = _flag_value(args, "--device") or "cpu"
-    ranks = int(_flag_value(args, "--tensor-parallel-size") or 1)
-    if _flag_value(args, "--decode-threads") is not None or device != "cpu" or ranks > 1 or threads < 2:
-        return tuple(args)
-    if threads * num_workers < cores:
-        return tuple(args)
-    return _with_flag(args, "--decode-threads", str(threads - 1))
-
-
 def _worker_procs(cfg: ServeConfig, tmp: Path, secret_file: Path) -> list[WorkerProcess]:
     env = worker_env(cfg.scrub_env, cfg.threads_per_worker, cfg.num_workers)
     plan = device_plan(cfg.worker_args, cfg.num_workers)
-    threads = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else 0
-    plan = [decode_threads(a, threads, cfg.num_workers, os.cpu_count() or 1) for a in plan]
     procs = []
     for i in range(cfg.num_workers):
         # -P: the current directory stays off sys.path, so a source checkout there (whose

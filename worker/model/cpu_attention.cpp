@@ -10,14 +10,16 @@
 // (grouped-query attention) against every key it may see (causal, and within the sliding window
 // when there is one), takes a softmax per head (the maximum subtracted, exponentials from a
 // polynomial good to ~2 ulp) and sums the value rows with those weights; the result is divided by
-// the weights' sum. Items run on OpenMP threads when the step has enough of them.
+// the weights' sum. Items are handed out to the library's threads (cpu_pool.cpp) when the step has
+// enough of them.
 
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -121,17 +123,16 @@ void dw_paged_attention_f32(const float* q, int64_t ldq, const float* kc, const 
     }
     const int64_t n_items = static_cast<int64_t>(items.size() / 2) * kv_heads;
     const bool parallel = threads > 1 && work * heads * d >= (int64_t(1) << 18);
-#pragma omp parallel num_threads(threads) if (parallel)
-    {
+    std::atomic<int64_t> next{0};  // items handed out one at a time: contexts differ in length
+    dw_parallel(parallel ? threads : 1, [&](int, int) {
         std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; ++it) {
+        for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
             const int64_t k = it / kv_heads, g = it % kv_heads;
             const int64_t t = items[2 * k], i = items[2 * k + 1];
             const int64_t pos = seq_lens[i] - (qsl[i + 1] - qsl[i]) + (t - qsl[i]);
             attend_item(s, t, pos, tables + i * table_width, g, scratch);
         }
-    }
+    });
 }
 
 // KV rows of T new tokens into the paged caches at their slots (slot < 0: padding, skipped). k and v:

@@ -17,14 +17,14 @@
 // accumulation are float32,
 // summed in blocks of KBLOCK inputs (each in input order), the blocks' sums added in order.
 //
-// Threads: an OpenMP loop over panels, on the OpenMP runtime the process already has loaded
-// (PyTorch's: this file is linked against the same libgomp.so.1), with the thread count the
-// caller passes.
+// Threads: the panels split in contiguous runs over the caller's thread count, on the library's own
+// pool (cpu_pool.cpp).
 
 #include <immintrin.h>
-#include <omp.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "cpu_pool.h"
 
 constexpr int PANEL = 16;
 constexpr int ROWS_PER_PASS = 6;
@@ -107,8 +107,11 @@ static void panel_all_rows(const W* panel, const float* x, int64_t rows, int64_t
 template <typename W>
 static void matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t out, float* y, int threads) {
     const int64_t panels = out / PANEL;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t p = 0; p < panels; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
+    dw_parallel(threads, [&](int part, int parts) {
+        int64_t begin, end;
+        dw_split(panels, part, parts, begin, end);
+        for (int64_t p = begin; p < end; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
+    });
 }
 
 // Quantized weights: unsigned codes q of BITS bits (8: a byte per weight; 4: two per byte, output j of a
@@ -161,11 +164,9 @@ static void panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float* 
 }
 
 template <int BITS>
-static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w, const uint16_t* sm, int64_t out,
-                     float* y, int threads) {
-    const int64_t panels = out / PANEL;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t p = 0; p < panels; ++p) {
+static void panel_q(int64_t p, const float* x, int64_t rows, int64_t in, const uint8_t* w, const uint16_t* sm,
+                    int64_t out, float* y) {
+    {
         const uint8_t* panel = w + p * in * PANEL * BITS / 8;
         const uint16_t* s = sm + p * (in / GROUP) * 2 * PANEL;
         float* yp = y + p * PANEL;
@@ -182,6 +183,18 @@ static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w,
         }
     }
 }
+
+template <int BITS>
+static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w, const uint16_t* sm, int64_t out,
+                     float* y, int threads) {
+    const int64_t panels = out / PANEL;
+    dw_parallel(threads, [&](int part, int parts) {
+        int64_t begin, end;
+        dw_split(panels, part, parts, begin, end);
+        for (int64_t p = begin; p < end; ++p) panel_q<BITS>(p, x, rows, in, w, sm, out, y);
+    });
+}
+
 
 // RMSNorm of one row: r = x + residual (residual null: r = x, res_out untouched), out = (r * s) * w
 // with s = 1 / sqrt(mean(r^2) + eps); the sum of squares in float32, 16 lanes.
@@ -219,10 +232,13 @@ int dw_panel_width(void) { return PANEL; }
 // rows x hidden, all row-major and contiguous; residual and res_out null together or not at all.
 void dw_rms_norm_f32(const float* x, const float* residual, const float* w, float eps, int64_t rows, int64_t hidden,
                      float* out, float* res_out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * hidden >= (1 << 16))
-    for (int64_t t = 0; t < rows; ++t)
-        rms_norm_row(x + t * hidden, residual ? residual + t * hidden : nullptr, w, eps, hidden, out + t * hidden,
-                     res_out ? res_out + t * hidden : nullptr);
+    dw_parallel(rows * hidden >= (1 << 16) ? threads : 1, [&](int part, int parts) {
+        int64_t begin, end;
+        dw_split(rows, part, parts, begin, end);
+        for (int64_t t = begin; t < end; ++t)
+            rms_norm_row(x + t * hidden, residual ? residual + t * hidden : nullptr, w, eps, hidden, out + t * hidden,
+                         res_out ? res_out + t * hidden : nullptr);
+    });
 }
 
 // Rotary embedding (rotate-half), in place: row t of x (stride ldx floats) holds `heads` vectors of d floats, each

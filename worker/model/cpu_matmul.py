@@ -19,9 +19,10 @@ The kernel is compiled from its source with the machine's C++ compiler the first
 needed (a second or two) and cached under ``draftwise_cache_dir()/kernels``, keyed by the
 source, the compiler and its flags. It needs x86-64 with AVX2, FMA and F16C, and ``g++`` (or
 ``$CXX``); without them, or with ``DRAFTWISE_CPU_KERNELS=0``, the products are torch's, as
-before, and ``unavailable_reason()`` says why. It runs its threads on PyTorch's own OpenMP
-runtime (linked by soname against the ``libgomp.so.1`` torch has loaded), with
-``torch.get_num_threads()`` threads.
+before, and ``unavailable_reason()`` says why. It runs ``torch.get_num_threads()`` threads on a pool of
+its own (``cpu_pool.cpp``: its workers spin between a step's products, from whichever thread calls;
+libgomp, which it used before, stopped spinning once a second thread started regions, and a decode step
+on the engine's thread ran at half speed).
 
 Results: float32 accumulation, in blocks of 128 inputs (each summed in input order, the blocks'
 sums added in order), so they differ from torch's in rounding only, and by no more than BLAS's
@@ -51,9 +52,9 @@ from draftwise.worker.paths import draftwise_cache_dir
 PANEL = 16  # output columns per panel (the kernel's dw_panel_width)
 ENV = "DRAFTWISE_CPU_KERNELS"  # "0": use torch's products
 PROFILER_NAME = "draftwise::cpu_matmul"  # what torch's profiler records a call as
-SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.cpp") for name in ("matmul", "attention", "layer"))
-HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
-FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.cpp") for name in ("matmul", "attention", "layer", "pool"))
+HEADERS = tuple(Path(__file__).with_name(f"cpu_{name}.h") for name in ("simd", "pool"))
+FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 _lock = threading.Lock()
