@@ -132,6 +132,7 @@ def _load() -> ctypes.CDLL:
     lib.dw_layer_scratch.restype = i64
     lib.dw_layer_forward.argtypes = [p] * 9
     lib.dw_layer_forward.restype = i64
+    lib.dw_pool_workers.restype = ctypes.c_int
     if lib.dw_panel_width() != PANEL:
         raise RuntimeError(f"the kernel's panel width is {lib.dw_panel_width()}, this module's {PANEL}")
     return lib

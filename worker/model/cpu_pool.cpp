@@ -105,3 +105,5 @@ void dw_parallel(int parts, const DwJob& job) {
     job(0, parts);
     while (p->pending.load(std::memory_order_acquire) > 0) _mm_pause();
 }
+
+extern "C" int dw_pool_workers(void) { return pool->workers; }  // started so far (tests)
