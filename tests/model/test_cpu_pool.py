@@ -69,7 +69,7 @@ def test_two_threads_at_once_get_their_own_results(lib, monkeypatch):
     assert not any(t.is_alive() for t in threads)
     for i, results in got.items():
         assert all(torch.equal(r, want[i]) for r in results)
-    for (x, p, exact), w in zip(cases, want, strict=True):
+    for (_, _, exact), w in zip(cases, want, strict=True):
         torch.testing.assert_close(w, exact, rtol=1e-4, atol=1e-4)
 
 
