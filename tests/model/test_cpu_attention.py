@@ -189,5 +189,7 @@ def test_the_fused_layer_steps_aside_where_it_does_not_apply():
         assert cpu_layer.plan(model, x.clone().requires_grad_(), meta, backend) is None
     long = AttentionMetadata.build(query_lens=[40], seq_lens=[40], block_tables=[[0, 1, 2]], block_size=16)
     assert cpu_layer.plan(model, torch.randn(40, model.config.hidden_size), long, backend) is None
+    half = [(torch.zeros(4, 16, 4, 32, dtype=torch.float16),) * 2]
+    assert cpu_layer.plan(model, x, meta, backend, half) is None  # a float16 cache
     model.layers[1].mlp.down_proj.set_cpu_layout(None)  # one projection torch's: the modules run
     assert cpu_layer.plan(model, x, meta, backend) is None

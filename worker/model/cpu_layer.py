@@ -119,7 +119,13 @@ class FusedLayers:
         self.head_dim = model.config.head_dim
 
 
-def plan(model: LlamaModel, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> FusedLayers | None:
+def plan(
+    model: LlamaModel,
+    x: torch.Tensor,
+    meta: AttentionMetadata,
+    backend: AttentionBackend,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> FusedLayers | None:
     """The model's fused layers where this step can take them, else None (the modules run)."""
     from draftwise.worker.model import llama
 
@@ -134,6 +140,7 @@ def plan(model: LlamaModel, x: torch.Tensor, meta: AttentionMetadata, backend: A
         or backend._write is not cpu_attention.write_kv_cache
         or meta.max_query_len > reference.SHORT_QUERY_MAX
         or meta.slot_mapping.device.type != "cpu"
+        or any(c.dtype != torch.float32 or not c.is_contiguous() for kv in kv_caches or () for c in kv)
     ):
         return None
     fused = model._fused_layers
@@ -176,8 +183,6 @@ def forward(
     x = x.contiguous()
     streams = []
     for i, (layer, (kc, vc)) in enumerate(zip(fused.layers, kv_caches, strict=True)):
-        if kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
-            raise ValueError(f"the fused CPU layer needs float32 contiguous KV caches, got {kc.dtype}")
         step.capacity = kc.shape[0] * kc.shape[1]
         bad = lib.dw_layer_forward(
             ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), None if i == 0 else residual.data_ptr(),

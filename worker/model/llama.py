@@ -398,7 +398,7 @@ class LlamaModel(nn.Module):
         x = self._embed(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual = None
-        fused = cpu_layer.plan(self, x, meta, backend)  # every layer in one call each, where the step allows
+        fused = cpu_layer.plan(self, x, meta, backend, kv_caches)  # every layer in one call each, where it can
         if fused is not None:
             x, residual, streams = cpu_layer.forward(fused, self, x, cos_sin, kv_caches, meta)
         else:
