@@ -16,7 +16,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <atomic>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -123,10 +122,9 @@ void dw_paged_attention_f32(const float* q, int64_t ldq, const float* kc, const 
     }
     const int64_t n_items = static_cast<int64_t>(items.size() / 2) * kv_heads;
     const bool parallel = threads > 1 && work * heads * d >= (int64_t(1) << 18);
-    std::atomic<int64_t> next{0};  // items handed out one at a time: contexts differ in length
-    dw_parallel(parallel ? threads : 1, [&](int, int) {
-        std::vector<float> scratch;
-        for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+    dw_parallel_for(parallel ? threads : 1, n_items, 1, [&](int64_t begin, int64_t end) {  // one item a chunk
+        thread_local std::vector<float> scratch;
+        for (int64_t it = begin; it < end; ++it) {
             const int64_t k = it / kv_heads, g = it % kv_heads;
             const int64_t t = items[2 * k], i = items[2 * k + 1];
             const int64_t pos = seq_lens[i] - (qsl[i + 1] - qsl[i]) + (t - qsl[i]);

@@ -17,8 +17,7 @@
 // accumulation are float32,
 // summed in blocks of KBLOCK inputs (each in input order), the blocks' sums added in order.
 //
-// Threads: the panels split in contiguous runs over the caller's thread count, on the library's own
-// pool (cpu_pool.cpp).
+// Threads: runs of panels claimed by the caller's thread count, on the library's own pool (cpu_pool.cpp).
 
 #include <immintrin.h>
 #include <math.h>
@@ -107,9 +106,7 @@ static void panel_all_rows(const W* panel, const float* x, int64_t rows, int64_t
 template <typename W>
 static void matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t out, float* y, int threads) {
     const int64_t panels = out / PANEL;
-    dw_parallel(threads, [&](int part, int parts) {
-        int64_t begin, end;
-        dw_split(panels, part, parts, begin, end);
+    dw_parallel_for(threads, panels, dw_grain(panels, threads), [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
     });
 }
@@ -188,9 +185,7 @@ template <int BITS>
 static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w, const uint16_t* sm, int64_t out,
                      float* y, int threads) {
     const int64_t panels = out / PANEL;
-    dw_parallel(threads, [&](int part, int parts) {
-        int64_t begin, end;
-        dw_split(panels, part, parts, begin, end);
+    dw_parallel_for(threads, panels, dw_grain(panels, threads), [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) panel_q<BITS>(p, x, rows, in, w, sm, out, y);
     });
 }
@@ -232,9 +227,8 @@ int dw_panel_width(void) { return PANEL; }
 // rows x hidden, all row-major and contiguous; residual and res_out null together or not at all.
 void dw_rms_norm_f32(const float* x, const float* residual, const float* w, float eps, int64_t rows, int64_t hidden,
                      float* out, float* res_out, int threads) {
-    dw_parallel(rows * hidden >= (1 << 16) ? threads : 1, [&](int part, int parts) {
-        int64_t begin, end;
-        dw_split(rows, part, parts, begin, end);
+    const int team = rows * hidden >= (1 << 16) ? threads : 1;
+    dw_parallel_for(team, rows, dw_grain(rows, team), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
             rms_norm_row(x + t * hidden, residual ? residual + t * hidden : nullptr, w, eps, hidden, out + t * hidden,
                          res_out ? res_out + t * hidden : nullptr);

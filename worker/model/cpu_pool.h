@@ -5,13 +5,14 @@
 
 #include <functional>
 
-// job(part, parts) for part = 0 .. parts - 1, part 0 on the calling thread, the others on the pool's
-// workers; returns when all are done. Parts must not depend on each other or call dw_parallel.
-using DwJob = std::function<void(int, int)>;
-void dw_parallel(int parts, const DwJob& job);
+// body(begin, end) over [0, n) in chunks of `grain` items (the last one shorter), on up to `threads` threads:
+// the caller's and the pool's workers, each claiming the next chunk when it is free; returns when all are
+// done. Chunks must not depend on each other or call dw_parallel_for.
+using DwChunkJob = std::function<void(int64_t, int64_t)>;
+void dw_parallel_for(int threads, int64_t n, int64_t grain, const DwChunkJob& body);
 
-// [begin, end) of n items for part `part` of `parts`: contiguous, in order, sizes differing by at most one.
-static inline void dw_split(int64_t n, int part, int parts, int64_t& begin, int64_t& end) {
-    begin = n * part / parts;
-    end = n * (part + 1) / parts;
+// A grain that gives each of `threads` threads about four chunks of n items.
+static inline int64_t dw_grain(int64_t n, int threads) {
+    const int64_t g = n / (4 * static_cast<int64_t>(threads > 1 ? threads : 1));
+    return g > 0 ? g : 1;
 }
