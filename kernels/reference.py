@@ -303,9 +303,13 @@ def paged_attention_of(
     ids: list[int],
 ) -> None:
     """``paged_attention``'s rows of the sequences ``ids`` written into ``out``, each sequence on its own (as
-    the twin attends a long prompt chunk): for a kernel that leaves some sequences to torch."""
-    qsl = [0]
-    for n in meta.query_lens_cpu:
-        qsl.append(qsl[-1] + n)
-    for i in ids:
-        _attend_long(q, k_cache, v_cache, _long_seq(meta, qsl, i), scale, sliding_window, out)
+    the twin attends a long prompt chunk): for a kernel that leaves some sequences to torch. ``ids`` must be
+    the same for every call of one forward pass (its layers)."""
+    seqs = meta.backend_state.get("torch-long")  # built once per forward pass, with their masks, as _plan's
+    if seqs is None:
+        qsl = [0]
+        for n in meta.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
+        seqs = meta.backend_state["torch-long"] = [_long_seq(meta, qsl, i) for i in ids]
+    for s in seqs:
+        _attend_long(q, k_cache, v_cache, s, scale, sliding_window, out)

@@ -19,7 +19,8 @@ import torch
 from draftwise.kernels import AttentionMetadata, reference
 from draftwise.worker.model import cpu_matmul
 
-STATE = "draftwise-cpu"  # this module's entry in AttentionMetadata.backend_state
+BACKEND = "draftwise-cpu"  # the name both ops are registered under (llama.py), and their backend_state entry
+STATE = BACKEND
 
 
 def _takes(*ts: torch.Tensor) -> bool:

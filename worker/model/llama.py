@@ -24,8 +24,8 @@ from draftwise.worker.model.sharding import Shard
 # RMSNorm on CPU: this package's kernel (float32, no gradients; the torch twin otherwise)
 dispatch.register("rms_norm", "cpu", "draftwise-cpu", cpu_matmul.rms_norm)
 # paged attention and KV writes on CPU: the library's (float32 on CPU; the torch twins otherwise)
-dispatch.register("paged_attention", "cpu", "draftwise-cpu", cpu_attention.paged_attention)
-dispatch.register("write_kv_cache", "cpu", "draftwise-cpu", cpu_attention.write_kv_cache)
+dispatch.register("paged_attention", "cpu", cpu_attention.BACKEND, cpu_attention.paged_attention)
+dispatch.register("write_kv_cache", "cpu", cpu_attention.BACKEND, cpu_attention.write_kv_cache)
 
 
 def _empty(*shape: int) -> nn.Parameter:
