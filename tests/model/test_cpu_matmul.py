@@ -78,6 +78,25 @@ def test_a_rows_result_is_independent_of_its_batch_and_of_threads():
     assert torch.equal(cpu_matmul.matmul(x, panels), together)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_code_panels_give_the_float_kernels_bits_for_every_row_count(bits):
+    # One or a few rows form each weight in registers, pass by pass; more rows than a pass form the panel's
+    # weights once into a buffer (a batched step is compute-bound). Both must give, bit for bit, the float32
+    # kernel's result over the unpacked weights, so that a row's tokens do not depend on its batch.
+    g = torch.Generator().manual_seed(2)
+    panels, sm = cpu_matmul.pack_quantized(torch.randn(160, 1536, generator=g) * 0.05, bits)
+    floats = cpu_matmul.pack(cpu_matmul.unpack(panels, sm))
+    x = torch.randn(40, 1536, generator=g)
+    torch.set_num_threads(2)
+    for rows in (1, 5, 6, 7, 13, 40):
+        assert torch.equal(cpu_matmul.matmul(x[:rows], panels, sm), cpu_matmul.matmul(x[:rows], floats)), rows
+    together = cpu_matmul.matmul(x, panels, sm)
+    for i in (0, 17, 39):
+        assert torch.equal(cpu_matmul.matmul(x[i : i + 1], panels, sm), together[i : i + 1])
+    torch.set_num_threads(1)
+    assert torch.equal(cpu_matmul.matmul(x, panels, sm), together)
+
+
 def test_pack_round_trips_and_refuses_what_it_cannot_hold():
     w = torch.randn(48, 20)
     panels = cpu_matmul.pack(w)
