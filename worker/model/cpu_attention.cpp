@@ -8,7 +8,8 @@
 //
 // Work items: (new token, KV head). An item scores the token's query heads that share the KV head
 // (grouped-query attention) against every key it may see (causal, and within the sliding window
-// when there is one), takes a softmax per head (the maximum subtracted, exponentials from a
+// when there is one; the keys' rows located once per item, block by block, and scored eight at a time:
+// eight accumulator chains instead of one, each key's sum in the same order), takes a softmax per head (the maximum subtracted, exponentials from a
 // polynomial good to ~2 ulp) and sums the value rows with those weights; the result is divided by
 // the weights' sum. Items are handed out to the library's threads (cpu_pool.cpp) when the step has
 // enough of them.
@@ -38,17 +39,18 @@ struct Shape {
     float* out;      // [T, heads, d] contiguous
 };
 
-// Value rows weighted by w[0 .. n) added into acc (d floats, a multiple of 8) for keys lo .. lo + n.
-void weighted_values(const Shape& s, const int32_t* table, int64_t g, int64_t lo, int64_t n, const float* w,
-                     float* acc) {
-    const int64_t row = s.kv_heads * s.d;
+// Value rows weighted by w[0 .. n) summed into acc (d floats, a multiple of 8); rows[i]: where key i's row
+// for this KV head starts in the cache (floats).
+// CHUNKS: the vectors of a 64-float slice when known at compile time (0: from d), so that the
+// accumulators stay in registers for the usual head size of 64.
+template <int CHUNKS>
+void weighted_values_t(const Shape& s, const int64_t* rows, int64_t n, const float* w, float* acc) {
     for (int64_t d0 = 0; d0 < s.d; d0 += 64) {
-        const int chunks = static_cast<int>((s.d - d0 < 64 ? s.d - d0 : 64) / 8);
+        const int chunks = CHUNKS ? CHUNKS : static_cast<int>((s.d - d0 < 64 ? s.d - d0 : 64) / 8);
         __m256 a[8];
         for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n; ++i) {
-            const int64_t pos = lo + i;
-            const float* v = s.vc + (table[pos / s.block_size] * s.block_size + pos % s.block_size) * row + g * s.d + d0;
+            const float* v = s.vc + rows[i] + d0;
             const __m256 wi = _mm256_set1_ps(w[i]);
             for (int c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * c), a[c]);
         }
@@ -56,19 +58,60 @@ void weighted_values(const Shape& s, const int32_t* table, int64_t g, int64_t lo
     }
 }
 
+void weighted_values(const Shape& s, const int64_t* rows, int64_t n, const float* w, float* acc) {
+    if (s.d == 64) weighted_values_t<8>(s, rows, n, w, acc);
+    else weighted_values_t<0>(s, rows, n, w, acc);
+}
+
 // One item: token t (at position pos, of the sequence whose block table is `table`), KV head g.
-void attend_item(const Shape& s, int64_t t, int64_t pos, const int32_t* table, int64_t g, std::vector<float>& scratch) {
+void attend_item(const Shape& s, int64_t t, int64_t pos, const int32_t* table, int64_t g, std::vector<float>& scratch,
+                 std::vector<int64_t>& rows) {
     const int64_t group = s.heads / s.kv_heads;
     const int64_t lo = s.window > 0 && pos - s.window + 1 > 0 ? pos - s.window + 1 : 0;
     const int64_t n = pos - lo + 1;
     const int64_t padded = (n + 7) & ~int64_t(7);
     if (static_cast<int64_t>(scratch.size()) < group * padded) scratch.resize(group * padded);
+    if (static_cast<int64_t>(rows.size()) < n) rows.resize(n);
     float* sc = scratch.data();
     const float* q0 = s.q + t * s.ldq + g * group * s.d;
     const int64_t row = s.kv_heads * s.d;
-    for (int64_t i = 0; i < n; ++i) {  // scores: every query head of the group against key lo + i
-        const int64_t p = lo + i;
-        const float* k = s.kc + (table[p / s.block_size] * s.block_size + p % s.block_size) * row + g * s.d;
+    {  // where each key's row starts, block by block (no division per key)
+        int64_t b = lo / s.block_size, off = lo % s.block_size, base = table[b] * s.block_size;
+        for (int64_t i = 0; i < n; ++i) {
+            rows[i] = (base + off) * row + g * s.d;
+            if (++off == s.block_size && i + 1 < n) off = 0, base = table[++b] * s.block_size;
+        }
+    }
+    const int64_t* r = rows.data();
+    // Scores: every query head of the group against each key, eight keys at a time (eight independent
+    // accumulator chains: one key's dot product alone waits on each FMA's latency); each score is summed
+    // exactly as a key alone would be (lanes over the head's dimensions in order, then hsum).
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const float* k[8];
+        for (int u = 0; u < 8; ++u) k[u] = s.kc + r[i + u];
+        for (int64_t h = 0; h < group; ++h) {
+            const float* qh = q0 + h * s.d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t j = 0; j < s.d; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + j);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + j), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + j), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + j), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + j), a3);
+                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + j), a4);
+                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + j), a5);
+                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + j), a6);
+                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + j), a7);
+            }
+            float* o = sc + h * padded + i;
+            o[0] = hsum(a0) * s.scale, o[1] = hsum(a1) * s.scale, o[2] = hsum(a2) * s.scale;
+            o[3] = hsum(a3) * s.scale, o[4] = hsum(a4) * s.scale, o[5] = hsum(a5) * s.scale;
+            o[6] = hsum(a6) * s.scale, o[7] = hsum(a7) * s.scale;
+        }
+    }
+    for (; i < n; ++i) {  // the last keys one at a time
+        const float* k = s.kc + r[i];
         for (int64_t h = 0; h < group; ++h) {
             const float* qh = q0 + h * s.d;
             __m256 a = _mm256_setzero_ps();
@@ -89,7 +132,7 @@ void attend_item(const Shape& s, int64_t t, int64_t pos, const int32_t* table, i
             sum = _mm256_add_ps(sum, e);
         }
         float* o = s.out + (t * s.heads + g * group + h) * s.d;
-        weighted_values(s, table, g, lo, n, w, o);
+        weighted_values(s, r, n, w, o);
         const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
         for (int64_t j = 0; j < s.d; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), inv));
     }
@@ -124,11 +167,12 @@ void dw_paged_attention_f32(const float* q, int64_t ldq, const float* kc, const 
     const bool parallel = threads > 1 && work * heads * d >= (int64_t(1) << 18);
     dw_parallel_for(parallel ? threads : 1, n_items, 1, [&](int64_t begin, int64_t end) {  // one item a chunk
         thread_local std::vector<float> scratch;
+        thread_local std::vector<int64_t> rows;
         for (int64_t it = begin; it < end; ++it) {
             const int64_t k = it / kv_heads, g = it % kv_heads;
             const int64_t t = items[2 * k], i = items[2 * k + 1];
             const int64_t pos = seq_lens[i] - (qsl[i + 1] - qsl[i]) + (t - qsl[i]);
-            attend_item(s, t, pos, tables + i * table_width, g, scratch);
+            attend_item(s, t, pos, tables + i * table_width, g, scratch, rows);
         }
     });
 }
