@@ -50,7 +50,7 @@ def _batch(query_lens, seq_lens, block_size, heads, kv_heads, d, seed=0):
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 4, 32), (4, 4, 16), (16, 1, 8), (6, 2, 72)])
 @pytest.mark.parametrize("block_size", [16, 1, 5])
-@pytest.mark.parametrize("window", [None, 7, 100])
+@pytest.mark.parametrize("window", [None, 7, 100, 300])
 def test_attention_matches_the_twin(heads, kv_heads, d, block_size, window):
     query_lens = [1, 4, 1, 33, 8, 1, 2]
     seq_lens = [1, 30, 300, 40, 8, 129, 700]
