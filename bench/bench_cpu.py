@@ -7,6 +7,8 @@
 1. ``decode``: batch-1 decode tokens/s, in-process (``LLM.generate``) for float32, float16, int8
    and int4 weights (``--quantization none|fp16|int8|int4``), against ``llama-bench`` (tg) on the F32, F16, Q8_0 and
    Q4_1 files, and against the memory roofline (bytes a step streams / read bandwidth).
+1b. ``depth``: the same decode after a prompt of 2048 tokens (its keys and values read every token),
+   against ``llama-bench -d 2048``.
 2. ``served``: the same over HTTP (``draftwise serve`` vs ``llama-server``, one request at a
    time, non-streamed): decode tokens/s and time to first token of a 256-token prompt; our
    served decode against our in-process decode.
@@ -14,10 +16,12 @@
    ``llama-server`` with as many slots: output tokens/s.
 4. ``startup``: seconds from ``draftwise serve --model FILE`` to its serving line.
 
-Decode rates are (N - 1) / (time of N tokens - time of 1 token), each request with a prompt of
-its own (no prefix-cache hit), greedy, ``ignore_eos``.
+In-process decode rates are (N - 1) / (seconds from a request's first token to its last), the
+request's own timings (``RequestOutput.metrics``: the prompt's prefill left out, as llama-bench's
+``tg`` leaves it out); served ones (N - 1) / (time of N tokens - time of 1 token); each request with
+a prompt of its own (no prefix-cache hit), greedy, ``ignore_eos``.
 
-    python bench/bench_cpu.py [--model MODEL] [--llama-cpp DIR] [--only products,decode,served,concurrent,startup]
+    python bench/bench_cpu.py [--model MODEL] [--llama-cpp DIR] [--only products,decode,depth,served,concurrent,startup]
 
 ``--llama-cpp``: a folder with ``llama-bench``, ``llama-server`` and ``llama-quantize`` (built from
 the sources vendored in the ``llama-cpp-python`` sdist: docs/benchmarks.md, section ``cpu``).
@@ -52,6 +56,7 @@ from draftwise.worker.paths import resolve_model  # noqa: E402
 
 NEW = 128
 PROMPT = 64
+DEPTH = 2048  # ``depth``: the context a long conversation brings (decode then reads its keys and values each token)
 MODES = {
     "float32": ("F32", None),
     "fp16": ("F16", "fp16"),
@@ -111,36 +116,37 @@ def gguf_files(model: Path, bin_dir: Path | None) -> dict[str, Path]:
 # ---- in-process
 
 
-def in_process_decode(path: Path, quantization: str | None, threads: int) -> dict:
+def in_process_decode(path: Path, quantization: str | None, threads: int, prompt: int = PROMPT) -> dict:
     from draftwise.worker import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
     llm = LLM(model=str(path), quantization=quantization, skip_tokenizer_init=True)
     load_s = time.perf_counter() - t
-    ps = iter(prompts(20, PROMPT, seed=3))
+    ps = iter(prompts(20, prompt, seed=3))
 
-    def timed(n: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return _timed(lambda: llm.generate([next(ps)], params, use_tqdm=False))
+    def rate() -> float:  # tokens after the first over the seconds from the first to the last (prefill left out)
+        params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        m = llm.generate([next(ps)], params, use_tqdm=False)[0].metrics
+        assert m.first_token_time is not None and m.finish_time is not None
+        return (NEW - 1) / (m.finish_time - m.first_token_time)
 
-    timed(NEW)  # warm-up: the first runs after a load are up to 20% slower
-    timed(NEW)
-    full = statistics.median(timed(NEW) for _ in range(3))
-    first = statistics.median(timed(1) for _ in range(3))
+    rate()  # warm-up: the first runs after a load are up to 20% slower
+    rate()
+    tokens_per_s = statistics.median(rate() for _ in range(3))
     loaded = llm.engine.loaded
     out = {
-        "tokens_per_s": (NEW - 1) / (full - first),
+        "tokens_per_s": tokens_per_s,
         "load_s": load_s,
         "streamed_mb": loaded.streamed_bytes / 1e6,
     }
     return out
 
 
-def llama_bench(bin_dir: Path, path: Path, threads: int) -> float:
+def llama_bench(bin_dir: Path, path: Path, threads: int, depth: int = 0) -> float:
     res = subprocess.run(
         [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(NEW), "-r", "3"]
-        + ["-o", "json"],
+        + ["-d", str(depth), "-o", "json"],
         check=True,
         capture_output=True,
         text=True,
@@ -362,7 +368,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arg(ap)
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_BIN"))
-    ap.add_argument("--only", default="products,decode,served,concurrent,startup")
+    ap.add_argument("--only", default="products,decode,depth,served,concurrent,startup")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     which = set(args.only.split(","))
@@ -397,6 +403,15 @@ def main() -> None:
             r["llama_bench"] = {k: llama_bench(args.llama_cpp, p, args.threads) for k, p in files.items()}
             print(r["llama_bench"], flush=True)
         save()
+    if "depth" in which:
+        r["depth"] = {"tokens": DEPTH, "ours": {}, "llama.cpp": {}}
+        for mode, (kind, quant) in MODES.items():
+            path = files.get(kind, model)
+            r["depth"]["ours"][mode] = in_process_decode(path, quant, args.threads, prompt=DEPTH)["tokens_per_s"]
+            if args.llama_cpp:
+                r["depth"]["llama.cpp"][kind] = llama_bench(args.llama_cpp, path, args.threads, depth=DEPTH)
+            print("depth", mode, r["depth"]["ours"][mode], r["depth"]["llama.cpp"].get(kind), flush=True)
+            save()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         if which & {"served", "concurrent", "startup"}:
@@ -503,6 +518,22 @@ def render(r: dict) -> str:
                 lines.append(
                     f"| fastest of ours vs llama.cpp {kind} (goal >= 0.8) | | {best:.1f} | {lb[kind]:.1f} | "
                     f"{_ratio(best, lb[kind])} | |"
+                )
+        lines.append("")
+    dp = r.get("depth")
+    if dp:
+        lines += [
+            f"### Batch-1 decode after a {dp['tokens']}-token prompt, in-process (tokens/s; llama.cpp: `llama-bench -d "
+            f"{dp['tokens']}`)",
+            "",
+            "| draftwise mode | tokens/s | llama.cpp, same file | ratio |",
+            "| --- | --- | --- | --- |",
+        ]
+        for mode, (kind, _) in MODES.items():
+            if mode in dp["ours"]:
+                theirs = dp["llama.cpp"].get(kind)
+                lines.append(
+                    f"| {mode} | {dp['ours'][mode]:.1f} | {theirs or 0:.1f} | {_ratio(dp['ours'][mode], theirs)} |"
                 )
         lines.append("")
     sv = r.get("served", {})
