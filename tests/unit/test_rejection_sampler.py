@@ -24,7 +24,7 @@ from scipy.stats import chisquare
 from draftwise.worker.sampling.keyed_random import STREAM_SAMPLE, keyed_exponential
 from draftwise.worker.sampling.sampler import Sampler, SamplingRow, processed_probs
 from draftwise.worker.sampling.sampling_params import SamplingParams
-from draftwise.worker.speculative.rejection_sampler import RejectionOutput, rejection_sample
+from draftwise.worker.speculative.rejection_sampler import RejectionOutput, accept_greedy, rejection_sample
 
 ALPHA = 1e-3
 """Reject "the output is distributed as p" below this p-value."""
@@ -161,6 +161,23 @@ def test_one_hot_p_accepts_iff_draft_matches_then_emits_it() -> None:
         assert out.token_ids == [[4, 1, 3, 5]] and out.num_accepted == [3]
         out = rsample(p, [[2, 1, 3]], None, [False], [seed])
         assert out.token_ids == [[4]] and out.num_accepted == [0]
+
+
+def test_greedy_acceptance_from_the_targets_tokens_matches_the_one_hot_path() -> None:
+    # The engine verifies an all-greedy batch from the sampler's greedy tokens (accept_greedy), without
+    # building one-hot distributions: the same result as rejection_sample over those one-hots.
+    rng = np.random.default_rng(3)
+    vocab = 7
+    drafts = [[int(t) for t in rng.integers(0, 3, size=k)] for k in (0, 1, 3, 5, 2)]
+    best = [int(t) for t in rng.integers(0, 3, size=sum(len(d) + 1 for d in drafts))]
+    p = torch.nn.functional.one_hot(torch.tensor(best), vocab).float()
+    want = rsample(p, drafts, None, [True] * len(drafts), [None] * len(drafts))
+    got = accept_greedy(best, drafts)
+    assert got == want and sum(got.num_accepted) > 0 and got.num_accepted != [len(d) for d in drafts]
+    assert accept_greedy([4, 1, 2], [[4, 1]]) == RejectionOutput(token_ids=[[4, 1, 2]], num_accepted=[2])
+    assert accept_greedy([4, 0, 2], [[4, 1]]) == RejectionOutput(token_ids=[[4, 0]], num_accepted=[1])
+    with pytest.raises(ValueError, match="greedy tokens for drafts"):
+        accept_greedy([4, 1], [[4, 1]])  # the bonus position's token is missing
 
 
 def test_drafted_token_with_p_zero_is_always_rejected() -> None:

@@ -296,12 +296,18 @@ class Sampler:
             if r.seed is None and not r.params.is_greedy:
                 raise ValueError(f"row {i} samples (temperature {r.params.temperature}) but has no seed")
         if all(r.params.is_greedy for r in rows):  # fast path: no distribution to build
-            token_ids = apply_min_tokens(apply_penalties(logits.float(), rows), rows).argmax(dim=-1)
+            token_ids = greedy_tokens(logits, rows)
         else:
             probs = processed_probs(logits, rows)  # [num_rows, vocab]
             token_ids = sample_from_probs(probs, rows)  # [num_rows]
         token_list = [int(t) for t in token_ids.tolist()]
         return SamplerOutput(token_ids=token_list, logprobs=token_logprobs(logits, rows, token_ids))
+
+
+def greedy_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [num_rows] int64
+    """Greedy rows' tokens: the argmax of the penalised, min_tokens-masked logits (what
+    :func:`processed_probs` puts its one-hot at). Every greedy choice, plain or verifying drafts, is this."""
+    return apply_min_tokens(apply_penalties(logits.float(), rows), rows).argmax(dim=-1)
 
 
 def sample_from_probs(

@@ -35,7 +35,13 @@ from draftwise.worker.core.containment import Failure, contain, contain_each, is
 from draftwise.worker.core.outputs import SpecStats
 from draftwise.worker.core.request import Request
 from draftwise.worker.model.loader import LoadedModel
-from draftwise.worker.sampling.sampler import SamplingRow, TokenLogprobs, processed_probs, token_logprobs
+from draftwise.worker.sampling.sampler import (
+    SamplingRow,
+    TokenLogprobs,
+    greedy_tokens,
+    processed_probs,
+    token_logprobs,
+)
 from draftwise.worker.speculative.cross_draft import CROSS_POOL_SCALE, CrossVocabProposer
 from draftwise.worker.speculative.draft import DraftModelProposer
 from draftwise.worker.speculative.heads import LoadedHead
@@ -44,7 +50,7 @@ from draftwise.worker.speculative.hybrid import HybridProposer
 from draftwise.worker.speculative.ngram import LookupProposer, NgramProposer
 from draftwise.worker.speculative.policy import CostModel, PolicyConfig, RequestSpecState, SpeculationPolicy
 from draftwise.worker.speculative.proposer import Observed, Proposer, stack_draft_probs
-from draftwise.worker.speculative.rejection_sampler import rejection_sample
+from draftwise.worker.speculative.rejection_sampler import accept_greedy, rejection_sample
 from draftwise.worker.speculative.suffix import DEFAULT_MAX_TOKENS, SuffixProposer
 from draftwise.worker.speculative.vocab_bridge import VocabBridge
 
@@ -376,17 +382,20 @@ class SpecDecoder:
             idx.extend(range(first, first + k + 1))
             rows.extend(r.sampling_row(d[:j]) for j in range(k + 1))
         v_logits = logits[torch.tensor(idx, device=logits.device)]  # [sum(k + 1), vocab]
-        p = processed_probs(v_logits, rows)  # [sum(k + 1), vocab]
         reqs = [s.request for s, _ in verify]
-        res = rejection_sample(
-            p,
-            drafts,
-            _as(stack_draft_probs([sr.q for sr in recs], drafts), p),
-            [r.sampling_params.is_greedy for r in reqs],
-            [r.seed for r in reqs],
-            [r.num_tokens for r in reqs],  # the position of each request's first draft
-            [r.sampling_params.seed is not None for r in reqs],  # seeded: Gumbel coupling, output as plain sampling
-        )
+        if all(r.sampling_params.is_greedy for r in reqs):  # the sampler's own greedy choice; no distributions
+            res = accept_greedy(greedy_tokens(v_logits, rows).tolist(), drafts)
+        else:
+            p = processed_probs(v_logits, rows)  # [sum(k + 1), vocab]
+            res = rejection_sample(
+                p,
+                drafts,
+                _as(stack_draft_probs([sr.q for sr in recs], drafts), p),
+                [r.sampling_params.is_greedy for r in reqs],
+                [r.seed for r in reqs],
+                [r.num_tokens for r in reqs],  # the position of each request's first draft
+                [r.sampling_params.seed is not None for r in reqs],  # seeded: Gumbel coupling, as plain sampling
+            )
         out = []
         base = 0
         for (s, _), toks, a in zip(verify, res.token_ids, res.num_accepted, strict=True):

@@ -114,9 +114,17 @@ def _check_inputs(
     return ks
 
 
-def _greedy(target_probs: torch.Tensor, draft_token_ids: Sequence[Sequence[int]], ks: list[int]) -> RejectionOutput:
+def _greedy(target_probs: torch.Tensor, draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
     """All rows greedy: one argmax over the batch, then accept while the drafts match it."""
-    best = target_probs.argmax(dim=-1).tolist()  # [sum(k_i + 1)]
+    return accept_greedy(target_probs.argmax(dim=-1).tolist(), draft_token_ids)
+
+
+def accept_greedy(best: Sequence[int], draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
+    """Greedy verification from the target's greedy token at each draft position and the bonus one (``best``:
+    ``k_i + 1`` per request, request after request): accept while the drafts match, then the target's token."""
+    ks = [len(ids) for ids in draft_token_ids]
+    if len(best) != sum(ks) + len(ks):
+        raise ValueError(f"{len(best)} greedy tokens for drafts of lengths {ks}")
     token_ids: list[list[int]] = []
     num_accepted: list[int] = []
     row = 0
@@ -156,7 +164,7 @@ def rejection_sample(
     if num_reqs == 0:
         return RejectionOutput(token_ids=[], num_accepted=[])
     if all(greedy):
-        return _greedy(target_probs, draft_token_ids, ks)
+        return _greedy(target_probs, draft_token_ids)
     device = target_probs.device
     dtype = target_probs.dtype
     vocab = target_probs.shape[1]
@@ -176,7 +184,7 @@ def rejection_sample(
         rows_t = torch.tensor(flat, device=device)
         target_probs = target_probs.index_put((rows_t,), target_probs[rows_t] / noise)  # [sum(k_i + 1), vocab]
     if not any(rejecting):
-        return _greedy(target_probs, draft_token_ids, ks)
+        return _greedy(target_probs, draft_token_ids)
 
     # ---- padded tensors for the accept-and-resample op: [N, K + 1, V] p, [N, K, V] q, ...
     if all(k == max_k for k in ks):  # every request drafted K tokens: a view, no copy
