@@ -166,3 +166,34 @@ def test_adaptive_policy_is_exact_and_mixed_with_plain_requests(workload):
         assert c.spec_token_acceptance_rate == c.num_spec_accepted / c.num_spec_proposed
         assert c.spec_mean_accepted_length == 1 + c.num_spec_accepted / c.spec.verify_steps
     engine.check_idle_invariants()
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_logprobs_under_speculation_equal_plain(method):
+    """Greedy requests that ask for logprobs: a verified round reports the target's logprobs at every token it
+    keeps, as plain decoding does (an all-greedy verify batch takes its own path, from the sampler's greedy
+    tokens). The worker keeps serving and ends idle."""
+    reqs = [
+        (rid, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2), at)
+        for rid, prompt, _, at in _requests(8, seed=5)
+    ]
+
+    def run(**spec) -> tuple[dict, LLMEngine]:
+        engine = LLMEngine(_config(num_kv_blocks=96, **spec))
+        finals: dict = {}
+        run_together(reqs, engine, finals)
+        engine.check_idle_invariants()
+        return finals, engine
+
+    plain, _ = run()
+    spec = {"speculative_model": "default"} if method == "draft" else {"speculative_method": "ngram"}
+    got, engine = run(num_speculative_tokens=3, speculative_adaptive=False, **spec)
+    assert engine.spec_totals["verify_steps"] > 0 and engine.spec_totals["accepted"] > 0, engine.spec_totals
+    for rid, want in plain.items():
+        w, g = want.outputs[0], got[rid].outputs[0]
+        assert g.token_ids == w.token_ids, rid
+        assert g.logprobs is not None and len(g.logprobs) == len(w.logprobs) == len(w.token_ids)
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert a is not None and b is not None and (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]

@@ -405,7 +405,7 @@ class SpecDecoder:
                 lps = token_logprobs(
                     v_logits[base : base + len(toks)],
                     rows[base : base + len(toks)],
-                    torch.tensor(toks, device=p.device),
+                    torch.tensor(toks, device=v_logits.device),
                 )
             base += k + 1
             out.append(Verified(r, toks, lps, k, a, r.num_tokens))
