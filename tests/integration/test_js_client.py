@@ -131,6 +131,8 @@ out.transport = [
   isTransportError(new DraftwiseError(Code.Aborted, "read ECONNRESET")),
   isTransportError(new DraftwiseError(Code.Aborted, "resumed on another connection")),
   isTransportError(new DraftwiseError(Code.InvalidArgument, "top_p must be in (0, 1]")),
+  isTransportError(new DraftwiseError(Code.Canceled, "http/2 stream closed with error code CANCEL (0x8)")),
+  isTransportError(new DraftwiseError(Code.Canceled, "This operation was aborted")),
 ];
 const client = new Client("127.0.0.1:1"); // nothing listens: the session's call fails, its checks come first
 const session = client.session();
@@ -158,7 +160,7 @@ def test_wrapper_units(example: list[str]) -> None:
     out = json.loads(res.stdout)
     assert out["kept"] == [True, True, False, True, False] and (out["handle"], out["next"]) == ("h", 3)
     assert out["gap"] == [True, True, "request r: DataLoss: delta at token 1 (+1) after 0 tokens received"]
-    assert out["transport"] == [True, True, False, False]
+    assert out["transport"] == [True, True, False, False, True, False]  # a reset session's CANCEL resumes
     assert out["queue"] == [1000, True]
     assert out["noId"] == "InvalidArgument: a session request needs an id"
     assert out["late"] in (

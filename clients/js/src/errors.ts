@@ -49,6 +49,9 @@ const TRANSPORT_DETAILS = ["econnreset", "econnrefused", "socket hang up", "stre
 /** Whether err says the connection failed (rather than the server ending the request). */
 export function isTransportError(err: DraftwiseError): boolean {
   if (err.code === Code.Unavailable) return true;
+  // A session torn down under a call (a reset connection) closes its streams with RST_STREAM CANCEL, which
+  // Connect reports as CANCELED; the caller's own cancel never resumes (Stream checks its signal first).
+  if (err.code === Code.Canceled) return err.detail.toLowerCase().includes("stream closed with error code cancel");
   if (err.code === Code.Internal || err.code === Code.Unknown || err.code === Code.Aborted) {
     const d = err.detail.toLowerCase();
     return TRANSPORT_DETAILS.some((t) => d.includes(t));
