@@ -132,6 +132,15 @@ static inline void load_q(const uint8_t* panel, int64_t k, __m256& w0, __m256& w
     }
 }
 
+// The float16 scales and minimums of the group of inputs starting at g, widened: outputs 0-7 and 8-15.
+static inline void load_scales(const uint16_t* sm, int64_t g, __m256& s0, __m256& s1, __m256& m0, __m256& m1) {
+    const uint16_t* s = sm + (g / GROUP) * 2 * PANEL;
+    s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
+    m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL)));
+    m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL + 8)));
+}
+
 template <int R, int BITS>
 static void panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float* x, int64_t ldx, int64_t in, float* y,
                          int64_t ldy) {
@@ -142,11 +151,8 @@ static void panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float* 
         const int64_t k1 = k0 + KBLOCK < in ? k0 + KBLOCK : in;
         DW_ZERO
         for (int64_t g = k0; g < k1; g += GROUP) {
-            const uint16_t* s = sm + (g / GROUP) * 2 * PANEL;
-            const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-            const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
-            const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL)));
-            const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL + 8)));
+            __m256 s0, s1, m0, m1;
+            load_scales(sm, g, s0, s1, m0, m1);
             for (int64_t k = g; k < g + GROUP; ++k) {
                 __m256 w0, w1;
                 _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL * BITS / 8), _MM_HINT_T0);
@@ -175,11 +181,8 @@ static const float* dequantize_panel(const uint8_t* panel, const uint16_t* sm, i
         if (!buf) return nullptr;
     }
     for (int64_t g = 0; g < in; g += GROUP) {
-        const uint16_t* s = sm + (g / GROUP) * 2 * PANEL;
-        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
-        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL)));
-        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + PANEL + 8)));
+        __m256 s0, s1, m0, m1;
+        load_scales(sm, g, s0, s1, m0, m1);
         for (int64_t k = g; k < g + GROUP; ++k) {
             __m256 w0, w1;
             load_q<BITS>(panel, k, w0, w1);
