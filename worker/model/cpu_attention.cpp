@@ -130,10 +130,8 @@ void attend_keys(const Shape& s, int64_t t, const int32_t* table, int64_t k0, in
                     a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + j), a6);
                     a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + j), a7);
                 }
-                float* o = sc + h * padded + i;
-                o[0] = hsum(a0) * s.scale, o[1] = hsum(a1) * s.scale, o[2] = hsum(a2) * s.scale;
-                o[3] = hsum(a3) * s.scale, o[4] = hsum(a4) * s.scale, o[5] = hsum(a5) * s.scale;
-                o[6] = hsum(a6) * s.scale, o[7] = hsum(a7) * s.scale;
+                _mm256_storeu_ps(sc + h * padded + i,
+                                 _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(s.scale)));
             }
         }
     }

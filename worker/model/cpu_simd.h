@@ -31,3 +31,17 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+
+// hsum of eight vectors at once: lane u of the result is hsum(a_u), summed in the same order (so the same bits):
+// each vector's halves added (v_i + v_{i+4}), then lanes 0 + 2 and 1 + 3, then those two.
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    const __m256 s04 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a4, 0x20), _mm256_permute2f128_ps(a0, a4, 0x31));
+    const __m256 s15 = _mm256_add_ps(_mm256_permute2f128_ps(a1, a5, 0x20), _mm256_permute2f128_ps(a1, a5, 0x31));
+    const __m256 s26 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a6, 0x20), _mm256_permute2f128_ps(a2, a6, 0x31));
+    const __m256 s37 = _mm256_add_ps(_mm256_permute2f128_ps(a3, a7, 0x20), _mm256_permute2f128_ps(a3, a7, 0x31));
+    const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(s04, s15, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s04, s15, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(s26, s37, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s26, s37, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_hadd_ps(e, f);
+}
