@@ -13,9 +13,11 @@
    time, non-streamed): decode tokens/s and time to first token of a 256-token prompt; our
    served decode against our in-process decode.
 3. ``concurrent``: 8 and 32 concurrent requests (64-token prompts, 64 new tokens each) against
-   ``llama-server`` with as many slots: output tokens/s.
+   ``llama-server`` with as many slots: output tokens/s (both servers up, their rounds in turn).
 4. ``startup``: seconds from ``draftwise serve --model FILE`` to its serving line.
 
+Ours and llama.cpp's figures are taken in turn, ROUNDS rounds each (decode, depth, concurrent), and a
+ratio is the median of the rounds' ratios: this VM's memory bandwidth drifts over minutes.
 In-process decode rates are (N - 1) / (seconds from a request's first token to its last), the
 request's own timings (``RequestOutput.metrics``: the prompt's prefill left out, as llama-bench's
 ``tg`` leaves it out); served ones (N - 1) / (time of N tokens - time of 1 token); each request with
@@ -56,6 +58,7 @@ from draftwise.worker.paths import resolve_model  # noqa: E402
 
 NEW = 128
 PROMPT = 64
+ROUNDS = 3  # ours and llama.cpp in turn, per mode (interleaved)
 DEPTH = 2048  # ``depth``: the context a long conversation brings (decode then reads its keys and values each token)
 MODES = {
     "float32": ("F32", None),
@@ -116,7 +119,9 @@ def gguf_files(model: Path, bin_dir: Path | None) -> dict[str, Path]:
 # ---- in-process
 
 
-def in_process_decode(path: Path, quantization: str | None, threads: int, prompt: int = PROMPT) -> dict:
+def in_process_decoder(path: Path, quantization: str | None, threads: int, prompt: int = PROMPT) -> tuple:
+    """(a function that decodes NEW tokens after a fresh ``prompt``-token prompt and returns the rate, the
+    load's figures): the engine loaded once, warmed up."""
     from draftwise.worker import LLM, SamplingParams
 
     torch.set_num_threads(threads)
@@ -133,25 +138,51 @@ def in_process_decode(path: Path, quantization: str | None, threads: int, prompt
 
     rate()  # warm-up: the first runs after a load are up to 20% slower
     rate()
-    tokens_per_s = statistics.median(rate() for _ in range(3))
     loaded = llm.engine.loaded
-    out = {
-        "tokens_per_s": tokens_per_s,
-        "load_s": load_s,
-        "streamed_mb": loaded.streamed_bytes / 1e6,
-    }
+    return rate, {"load_s": load_s, "streamed_mb": loaded.streamed_bytes / 1e6}
+
+
+def in_process_decode(path: Path, quantization: str | None, threads: int, prompt: int = PROMPT) -> dict:
+    """Our rate alone (the median of three runs) and the load's figures."""
+    rate, info = in_process_decoder(path, quantization, threads, prompt)
+    return {"tokens_per_s": statistics.median(rate() for _ in range(3)), **info}
+
+
+def interleaved(ours, theirs, rounds: int = ROUNDS) -> dict:
+    """Our rate and llama.cpp's (``theirs``: None when not measured) taken in turn, ``rounds`` times: the
+    medians and the median of each round's ratio. This VM's memory bandwidth drifts by 10-40% over minutes;
+    measured one after the other, a ratio is mostly that drift (2026-12-04: our float32 decode 88 and then 61
+    tokens/s in back-to-back runs of one script)."""
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(rounds):
+        a.append(ours())
+        if theirs is not None:
+            b.append(theirs())
+    out = {"tokens_per_s": statistics.median(a), "rounds": a}
+    if b:
+        out.update(llama_cpp=statistics.median(b), llama_cpp_rounds=b)
+        out["ratio"] = statistics.median(x / y for x, y in zip(a, b, strict=True))
     return out
 
 
-def llama_bench(bin_dir: Path, path: Path, threads: int, depth: int = 0) -> float:
+def llama_bench(bin_dir: Path, path: Path, threads: int, depth: int = 0, repeats: int = 3) -> float:
     res = subprocess.run(
-        [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(NEW), "-r", "3"]
+        [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(NEW)]
+        + ["-r", str(repeats)]
         + ["-d", str(depth), "-o", "json"],
         check=True,
         capture_output=True,
         text=True,
     )
     return float(json.loads(res.stdout)[0]["avg_ts"])
+
+
+def llama_decoder(bin_dir: Path | None, path: Path, threads: int, depth: int = 0):
+    """One llama-bench round (``-r 1``) as a function, or None without llama.cpp."""
+    if bin_dir is None:
+        return None
+    return lambda: llama_bench(bin_dir, path, threads, depth, repeats=1)
 
 
 # ---- served
@@ -237,8 +268,8 @@ def served(server: Server, llama: bool) -> dict:
     return {"tokens_per_s": (NEW - 1) / (full - first), "ttft_256_s": ttft}
 
 
-def concurrent(server: Server, n: int, llama: bool, new: int = 64) -> float:
-    ps = prompts(n, PROMPT, seed=100 + n)
+def concurrent(server: Server, n: int, llama: bool, new: int = 64, round_: int = 0) -> float:
+    ps = prompts(n, PROMPT, seed=100 + n + 1000 * round_)  # each round its own prompts: no prefix-cache hit
     complete(server, ps[0][:8], 4, llama)
     with ThreadPoolExecutor(n) as pool:
         t = time.perf_counter()
@@ -394,23 +425,29 @@ def main() -> None:
     if "decode" in which:
         r["read_gb_s"] = read_bandwidth() / 1e9
         r["decode"] = {}
+        r["llama_bench"] = {}
         for mode, (kind, quant) in MODES.items():
             path = files.get(kind, model)
-            r["decode"][mode] = in_process_decode(path, quant, args.threads)
-            r["decode"][mode]["file"] = path.name
+            rate, info = in_process_decoder(path, quant, args.threads)
+            got = interleaved(rate, llama_decoder(args.llama_cpp, files.get(kind, path), args.threads))
+            r["decode"][mode] = {**info, **got, "file": path.name}
+            if "llama_cpp" in got:
+                r["llama_bench"][kind] = got["llama_cpp"]
+            del rate
             print(mode, r["decode"][mode], flush=True)
-        if args.llama_cpp:
-            r["llama_bench"] = {k: llama_bench(args.llama_cpp, p, args.threads) for k, p in files.items()}
-            print(r["llama_bench"], flush=True)
         save()
     if "depth" in which:
-        r["depth"] = {"tokens": DEPTH, "ours": {}, "llama.cpp": {}}
+        r["depth"] = {"tokens": DEPTH, "ours": {}, "llama.cpp": {}, "ratio": {}}
         for mode, (kind, quant) in MODES.items():
             path = files.get(kind, model)
-            r["depth"]["ours"][mode] = in_process_decode(path, quant, args.threads, prompt=DEPTH)["tokens_per_s"]
-            if args.llama_cpp:
-                r["depth"]["llama.cpp"][kind] = llama_bench(args.llama_cpp, path, args.threads, depth=DEPTH)
-            print("depth", mode, r["depth"]["ours"][mode], r["depth"]["llama.cpp"].get(kind), flush=True)
+            rate, _ = in_process_decoder(path, quant, args.threads, prompt=DEPTH)
+            got = interleaved(rate, llama_decoder(args.llama_cpp, path, args.threads, depth=DEPTH))
+            del rate
+            r["depth"]["ours"][mode] = got["tokens_per_s"]
+            if "llama_cpp" in got:
+                r["depth"]["llama.cpp"][kind] = got["llama_cpp"]
+                r["depth"]["ratio"][mode] = got["ratio"]
+            print("depth", mode, got, flush=True)
             save()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -424,28 +461,38 @@ def main() -> None:
                 first = start_ours(path, quant, args.threads, tmp, cache)
                 first.close()
                 s = start_ours(path, quant, args.threads, tmp, cache)
+                key = f"llama.cpp {kind}"
+                theirs = None
                 try:
                     r["startup_s"][mode] = {"first": first.ready_s, "again": s.ready_s, "file": path.name}
+                    if args.llama_cpp and which & {"served", "concurrent"}:  # both up: their rounds take turns
+                        theirs = start_llama(args.llama_cpp, path, args.threads, 32, tmp)
                     if "served" in which:
                         r["served"][mode] = served(s, llama=False)
+                        if theirs is not None:
+                            r["served"][key] = served(theirs, llama=True)
                     if "concurrent" in which:
-                        r["concurrent"][mode] = {str(n): concurrent(s, n, llama=False) for n in (8, 32)}
+                        r["concurrent"][mode], their_rates = {}, {}
+                        for n in (8, 32):
+                            a, b = [], []
+                            for i in range(ROUNDS):
+                                a.append(concurrent(s, n, llama=False, round_=i))
+                                if theirs is not None:
+                                    b.append(concurrent(theirs, n, llama=True, round_=i))
+                            r["concurrent"][mode][str(n)] = statistics.median(a)
+                            if b:
+                                their_rates[str(n)] = statistics.median(b)
+                                ratios = (x / y for x, y in zip(a, b, strict=True))
+                                r["concurrent"][mode][f"ratio_{n}"] = statistics.median(ratios)
+                        if their_rates:
+                            r["concurrent"][key] = their_rates
                 finally:
                     s.close()
+                    if theirs is not None:
+                        theirs.close()
                 print(mode, r["served"].get(mode), r["concurrent"].get(mode), r["startup_s"][mode], flush=True)
+                print(key, r["served"].get(key), r["concurrent"].get(key), flush=True)
                 save()
-                if args.llama_cpp and which & {"served", "concurrent"}:
-                    s = start_llama(args.llama_cpp, path, args.threads, 32, tmp)
-                    try:
-                        key = f"llama.cpp {kind}"
-                        if "served" in which:
-                            r["served"][key] = served(s, llama=True)
-                        if "concurrent" in which:
-                            r["concurrent"][key] = {str(n): concurrent(s, n, llama=True) for n in (8, 32)}
-                    finally:
-                        s.close()
-                    print(key, r["served"].get(key), r["concurrent"].get(key), flush=True)
-                    save()
     save()
 
 
@@ -507,9 +554,10 @@ def render(r: dict) -> str:
                 continue
             roof = bw / (d["streamed_mb"] * 1e6) if bw else None
             theirs = lb.get(kind)
+            ratio = f"{d['ratio']:.2f}x" if "ratio" in d else _ratio(d["tokens_per_s"], theirs)
             lines.append(
                 f"| {mode} | {d['file']} | {d['tokens_per_s']:.1f} | {theirs or 0:.1f} | "
-                f"{_ratio(d['tokens_per_s'], theirs)} | {d['tokens_per_s'] / roof if roof else 0:.2f} "
+                f"{ratio} | {d['tokens_per_s'] / roof if roof else 0:.2f} "
                 f"({d['streamed_mb']:.0f} MB a step at {bw / 1e9:.1f} GB/s) |"
             )
         best = max((d["tokens_per_s"] for d in dec.values()), default=0)
@@ -532,9 +580,9 @@ def render(r: dict) -> str:
         for mode, (kind, _) in MODES.items():
             if mode in dp["ours"]:
                 theirs = dp["llama.cpp"].get(kind)
-                lines.append(
-                    f"| {mode} | {dp['ours'][mode]:.1f} | {theirs or 0:.1f} | {_ratio(dp['ours'][mode], theirs)} |"
-                )
+                rr = dp.get("ratio", {}).get(mode)
+                ratio = f"{rr:.2f}x" if rr is not None else _ratio(dp["ours"][mode], theirs)
+                lines.append(f"| {mode} | {dp['ours'][mode]:.1f} | {theirs or 0:.1f} | {ratio} |")
         lines.append("")
     sv = r.get("served", {})
     if sv:
@@ -562,7 +610,8 @@ def render(r: dict) -> str:
         for key, v in cc.items():
             kind = MODES.get(key, ("",))[0]
             theirs = cc.get(f"llama.cpp {kind}", {}).get("32")
-            lines.append(f"| {key} | {v['8']:.1f} | {v['32']:.1f} | {_ratio(v['32'], theirs) if kind else ''} |")
+            ratio = f"{v['ratio_32']:.2f}x" if "ratio_32" in v else _ratio(v["32"], theirs) if kind else ""
+            lines.append(f"| {key} | {v['8']:.1f} | {v['32']:.1f} | {ratio} |")
         lines.append("")
     st = r.get("startup_s", {})
     if st:

@@ -21,7 +21,8 @@ def test_the_committed_results_render_with_their_ratios() -> None:
     f32 = r["decode"]["float32"]["tokens_per_s"]
     theirs = r["llama_bench"]["F32"]
     row = next(line for line in text.splitlines() if line.startswith("| float32 | "))
-    assert f"| {f32:.1f} | {theirs:.1f} | {f32 / theirs:.2f}x |" in row
+    ratio = r["decode"]["float32"].get("ratio", f32 / theirs)  # interleaved rounds: the median of their ratios
+    assert f"| {f32:.1f} | {theirs:.1f} | {ratio:.2f}x |" in row
     served = r["served"]["fp16"]["tokens_per_s"] / r["decode"]["fp16"]["tokens_per_s"]
     served_row = text.split("### Served over HTTP")[1].split("\n| fp16 | ")[1].splitlines()[0]
     assert f"| {served:.2f}x |" in served_row
@@ -44,3 +45,24 @@ def test_without_llama_cpp_only_the_models_own_file_is_compared(tmp_path: Path) 
     model = tmp_path / "Some-Model.Q4_1.gguf"
     model.write_bytes(b"GGUF")
     assert bc.gguf_files(model, None) == {"Q4_1": model}
+
+
+def test_interleaved_rounds_take_turns_and_give_the_median_of_each_rounds_ratio() -> None:
+    calls: list[str] = []
+    ours = iter([2.0, 4.0, 3.0])
+    theirs = iter([1.0, 4.0, 2.0])
+
+    def a() -> float:
+        calls.append("ours")
+        return next(ours)
+
+    def b() -> float:
+        calls.append("llama")
+        return next(theirs)
+
+    got = bc.interleaved(a, b, rounds=3)
+    assert calls == ["ours", "llama"] * 3
+    assert got["tokens_per_s"] == 3.0 and got["llama_cpp"] == 2.0
+    assert got["ratio"] == 1.5  # rounds' ratios 2, 1, 1.5: not 3 / 2 of the medians
+    alone = bc.interleaved(lambda: 5.0, None, rounds=2)
+    assert alone == {"tokens_per_s": 5.0, "rounds": [5.0, 5.0]}
