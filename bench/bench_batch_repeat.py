@@ -10,6 +10,10 @@ Prints one JSON line (commit, wall and process CPU seconds per run, their means)
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import random

@@ -35,6 +35,10 @@ Writes docs/benchmarks.md (section ``cpu-<model>``) and bench/results/cpu_<model
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import os

@@ -12,6 +12,10 @@ Writes docs/benchmarks.md (section ``cpu-modes`` + the model) and bench/results/
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import statistics

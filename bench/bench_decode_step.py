@@ -10,6 +10,10 @@ Writes docs/benchmarks.md (section ``decode-step``) and bench/results/decode_ste
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import statistics

@@ -15,6 +15,10 @@ another ``--model``, to section ``engine-<model>`` and bench/results/engine_<mod
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import statistics

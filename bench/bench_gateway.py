@@ -20,6 +20,10 @@ section says how far the rounds' ratios spread).
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import asyncio
 import json

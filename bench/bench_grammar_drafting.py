@@ -21,6 +21,10 @@ Results: docs/benchmarks.md (section ``grammar-drafting``) and bench/results/gra
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import os
 import shlex

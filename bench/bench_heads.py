@@ -36,6 +36,10 @@ per method and temperature). ``--quick`` writes all three into a temporary folde
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import shlex

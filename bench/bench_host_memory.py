@@ -13,6 +13,10 @@ another ``--model``, section ``host-memory-<model>`` and host_memory_<model>.jso
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import os

@@ -19,6 +19,10 @@ Results go to bench/results/keyed.json and are printed as tables (docs/engine.md
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import sys

@@ -18,6 +18,10 @@ Results: docs/benchmarks.md (section ``prefix-cache``) and bench/results/prefix_
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import asyncio
 import json

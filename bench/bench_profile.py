@@ -25,6 +25,10 @@ section ``profile-<model>`` and profile_<model>.json.
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import statistics

@@ -20,6 +20,10 @@ bench/results/quantized_draft[_<model>].json.
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import shlex
 import sys

@@ -29,6 +29,10 @@ into section ``speculative-prompts-<model>`` and spec_prompts_<model>.json.
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import random

@@ -13,6 +13,10 @@ Prints one JSON line; writes nothing. Uses only the engine's public API (``LLM``
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import statistics

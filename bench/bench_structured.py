@@ -27,6 +27,10 @@ bench/results/structured[_<model>].json.
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import contextlib
 import json

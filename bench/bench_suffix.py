@@ -25,6 +25,10 @@ Results: docs/benchmarks.md (section ``suffix``, or ``suffix-<model>``) and benc
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import random
 import shlex

@@ -13,6 +13,10 @@ Writes docs/benchmarks.md (section ``verify-rows`` + the model) and bench/result
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import argparse
 import json
 import statistics

@@ -3,6 +3,10 @@ of docs/benchmarks.md between markers so that each benchmark owns its own sectio
 
 from __future__ import annotations
 
+import draftwise  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+
+# isort: split
+
 import json
 import os
 import platform
