@@ -133,3 +133,25 @@ def test_dispatch_picks_twin_on_cpu():
     assert get_attention_backend("cpu", prefer_reference=True).name == "torch"
     with pytest.raises(ValueError, match="unknown op"):
         dispatch.impl("nope", "cpu")
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,d", [(33, 4, 2, 8), (100, 9, 3, 64), (300, 9, 3, 64), (257, 4, 4, 16)])
+def test_a_first_prompt_chunk_takes_torchs_causal_path_with_the_masks_bits(n, heads, kv_heads, d):
+    """A sequence's first chunk (no earlier context, no window) runs torch's attention with is_causal, which skips
+    the blocks above the diagonal; the result is the explicit mask's, bit for bit."""
+    torch.manual_seed(n)
+    bs = 16
+    nb = -(-n // bs)
+    k_cache, v_cache = torch.randn(nb + 2, bs, kv_heads, d), torch.randn(nb + 2, bs, kv_heads, d)
+    table = list(range(2, nb + 2))[::-1]  # blocks out of order
+    meta = AttentionMetadata.build(query_lens=[n], seq_lens=[n], block_tables=[table], block_size=bs)
+    q = torch.randn(n, heads, d)
+    got = reference.paged_attention(q, k_cache, v_cache, meta, d**-0.5, None)
+    blocks = torch.tensor(table)
+    keys = k_cache.index_select(0, blocks).view(-1, kv_heads, d)[:n].transpose(0, 1)[None]
+    vals = v_cache.index_select(0, blocks).view(-1, kv_heads, d)[:n].transpose(0, 1)[None]
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, vals, attn_mask=mask, scale=d**-0.5, enable_gqa=heads != kv_heads
+    )[0].transpose(0, 1)
+    assert torch.equal(got, want)
