@@ -246,7 +246,10 @@ def render(r: dict) -> str:
     model = r.get("model")
     flag = "" if is_default_model(model) else f" --model {model}"
     lines = [
-        f"## Engine ({model_label(model)}, float32, CPU)",
+        # the default model's weights are float32; a GGUF file's stay as the engine's default keeps them (auto)
+        f"## Engine ({model_label(model)}, float32, CPU"
+        + ("" if is_default_model(model) else "; weights as quantization='auto' keeps them")
+        + ")",
         "",
         f"Command: `python bench/bench_engine.py{flag}` — {r.get('date')}, {r.get('machine')}",
         "",
