@@ -38,13 +38,15 @@ _source_checkout_last()
 
 GOMP_SPINCOUNT = "10000"
 """How long PyTorch's OpenMP threads (libgomp) spin after a parallel region before they sleep, unless the
-environment says otherwise: ~0.2 ms rather than libgomp's default 300,000 spins (~5 ms on this project's
-Zen 4 machines). The CPU kernel library's products run on its own thread pool (worker/model/cpu_pool.cpp);
+environment says otherwise: 10,000 spins rather than libgomp's default 300,000 (milliseconds on a Zen 4, whose
+pause instruction takes tens of cycles). The CPU kernel library's products run on its own thread pool (worker/model/cpu_pool.cpp);
 between them a prompt chunk runs torch ops (attention of long chunks, silu), after each of which a libgomp
 thread kept spinning on the core a product's second thread needed: a 256-token SmolLM2-135M prefill took
 ~440 ms, ~280 ms with 10,000 spins (~300 ms with none at all: OMP_WAIT_POLICY=PASSIVE), and 32 concurrent
-requests went 1.10x faster (docs/benchmarks.md). libgomp reads it once, when torch loads it: so it is set
-here, on importing draftwise, only when torch is not imported yet; the worker processes inherit it."""
+requests in one process went 1.10x faster (docs/benchmarks.md; `serve`'s worker already escaped it: its engine
+thread gives libgomp more threads than cores, and libgomp then stops spinning by itself). libgomp reads it once,
+when torch loads it: so it is set here, on importing draftwise, only when torch is not imported yet; the worker
+processes inherit it."""
 
 
 def _quiet_openmp_spin() -> None:
