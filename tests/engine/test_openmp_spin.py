@@ -1,6 +1,6 @@
 """PyTorch's OpenMP threads spin briefly (``draftwise.GOMP_SPINCOUNT``): importing draftwise before torch sets
 ``GOMP_SPINCOUNT`` unless the environment has it, and ``serve``'s worker processes inherit it. With libgomp's
-default (~5 ms of spinning after each parallel region), a prompt chunk's torch ops left a spinning thread on the
+default (300,000 pause loops of spinning after each parallel region), a prompt chunk's torch ops left a spinning thread on the
 core that the kernel library's next product needed: a 256-token SmolLM2 prefill ran ~1.5x slower
 (docs/benchmarks.md). What libgomp reads is the environment at the moment torch loads it, so these checks run
 in fresh interpreters."""
