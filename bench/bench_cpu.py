@@ -433,7 +433,7 @@ def main() -> None:
         for mode, (kind, quant) in MODES.items():
             path = files.get(kind, model)
             rate, info = in_process_decoder(path, quant, args.threads)
-            got = interleaved(rate, llama_decoder(args.llama_cpp, files.get(kind, path), args.threads))
+            got = interleaved(rate, llama_decoder(args.llama_cpp, path, args.threads))
             r["decode"][mode] = {**info, **got, "file": path.name}
             if "llama_cpp" in got:
                 r["llama_bench"][kind] = got["llama_cpp"]

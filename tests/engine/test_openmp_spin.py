@@ -14,9 +14,11 @@ import sys
 import draftwise
 
 
-def _seen(code: str, **env: str) -> str:
+def _seen(code: str, *args: str, **env: str) -> str:
+    """What ``code`` prints in a fresh interpreter whose environment lacks GOMP_SPINCOUNT (plus ``env``)."""
     base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, *args], env={**base, **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
 
 
@@ -42,7 +44,4 @@ def test_serves_workers_inherit_it(tmp_path) -> None:
         "t = pathlib.Path(sys.argv[1]); (proc,) = _worker_procs(cfg, t, t / 'secret'); "
         "print(proc.env.get('GOMP_SPINCOUNT'))"
     )
-    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=base, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == draftwise.GOMP_SPINCOUNT
+    assert _seen(code, str(tmp_path)) == draftwise.GOMP_SPINCOUNT

@@ -31,7 +31,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-
 // hsum of eight vectors at once: lane u of the result is hsum(a_u), summed in the same order (so the same bits):
 // each vector's halves added (v_i + v_{i+4}), then lanes 0 + 2 and 1 + 3, then those two.
 static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {

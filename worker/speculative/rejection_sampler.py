@@ -114,11 +114,6 @@ def _check_inputs(
     return ks
 
 
-def _greedy(target_probs: torch.Tensor, draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
-    """All rows greedy: one argmax over the batch, then accept while the drafts match it."""
-    return accept_greedy(target_probs.argmax(dim=-1).tolist(), draft_token_ids)
-
-
 def accept_greedy(best: Sequence[int], draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
     """Greedy verification from the target's greedy token at each draft position and the bonus one (``best``:
     ``k_i + 1`` per request, request after request): accept while the drafts match, then the target's token."""
@@ -164,7 +159,7 @@ def rejection_sample(
     if num_reqs == 0:
         return RejectionOutput(token_ids=[], num_accepted=[])
     if all(greedy):
-        return _greedy(target_probs, draft_token_ids)
+        return accept_greedy(target_probs.argmax(dim=-1).tolist(), draft_token_ids)  # one argmax for all
     device = target_probs.device
     dtype = target_probs.dtype
     vocab = target_probs.shape[1]
@@ -184,7 +179,7 @@ def rejection_sample(
         rows_t = torch.tensor(flat, device=device)
         target_probs = target_probs.index_put((rows_t,), target_probs[rows_t] / noise)  # [sum(k_i + 1), vocab]
     if not any(rejecting):
-        return _greedy(target_probs, draft_token_ids)
+        return accept_greedy(target_probs.argmax(dim=-1).tolist(), draft_token_ids)  # one argmax for all
 
     # ---- padded tensors for the accept-and-resample op: [N, K + 1, V] p, [N, K, V] q, ...
     if all(k == max_k for k in ks):  # every request drafted K tokens: a view, no copy
