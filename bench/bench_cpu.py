@@ -262,14 +262,47 @@ def complete(server: Server, prompt: list[int], n: int, llama: bool) -> float:
     return dt
 
 
-def served(server: Server, llama: bool) -> dict:
-    ps = iter(prompts(40, PROMPT, seed=5))
+def streamed(server: Server, prompt: list[int]) -> float:
+    """Our decode rate streamed (SSE, one event per token as it comes): (NEW - 1) tokens over the
+    seconds from the first event with text to the last."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": NEW, "ignore_eos": True, "temperature": 0}
+    times = []
+    with server.client.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    assert len(times) >= 2, times
+    return (NEW - 1) / (times[-1] - times[0])
+
+
+def served(server: Server, llama: bool, in_process=None, rounds: int = ROUNDS) -> dict:
+    """Served decode (non-streamed: (N - 1) / (time of N tokens - time of 1 token), median of 3) and
+    the time to first token of a 256-token prompt. With ``in_process`` (our engine's rate in this
+    process), each of ``rounds`` rounds also times it and our streamed decode, in turn: the ratios
+    are the medians of the rounds' ratios (this VM's bandwidth drifts between invocations)."""
+    ps = iter(prompts(40 + 8 * rounds, PROMPT, seed=5))
     long = iter(prompts(6, 256, seed=6))
     complete(server, next(ps), 8, llama)  # warm-up
-    full = statistics.median(complete(server, next(ps), NEW, llama) for _ in range(3))
-    first = statistics.median(complete(server, next(ps), 1, llama) for _ in range(3))
-    ttft = statistics.median(complete(server, next(long), 1, llama) for _ in range(3))
-    return {"tokens_per_s": (NEW - 1) / (full - first), "ttft_256_s": ttft}
+
+    def whole() -> float:
+        full = statistics.median(complete(server, next(ps), NEW, llama) for _ in range(3))
+        first = statistics.median(complete(server, next(ps), 1, llama) for _ in range(3))
+        return (NEW - 1) / (full - first)
+
+    out: dict = {}
+    if in_process is None:
+        out["tokens_per_s"] = whole()
+    else:
+        rows = [(in_process(), whole(), streamed(server, next(ps))) for _ in range(rounds)]
+        out["tokens_per_s"] = statistics.median(r[1] for r in rows)
+        out["streamed_tokens_per_s"] = statistics.median(r[2] for r in rows)
+        out["in_process_tokens_per_s"] = statistics.median(r[0] for r in rows)
+        out["ratio"] = statistics.median(r[1] / r[0] for r in rows)
+        out["streamed_ratio"] = statistics.median(r[2] / r[0] for r in rows)
+        out["rounds"] = rows
+    out["ttft_256_s"] = statistics.median(complete(server, next(long), 1, llama) for _ in range(3))
+    return out
 
 
 def concurrent(server: Server, n: int, llama: bool, new: int = 64, round_: int = 0) -> float:
@@ -471,8 +504,10 @@ def main() -> None:
                     r["startup_s"][mode] = {"first": first.ready_s, "again": s.ready_s, "file": path.name}
                     if args.llama_cpp and which & {"served", "concurrent"}:  # both up: their rounds take turns
                         theirs = start_llama(args.llama_cpp, path, args.threads, 32, tmp)
-                    if "served" in which:
-                        r["served"][mode] = served(s, llama=False)
+                    if "served" in which:  # our engine in this process too: both decode in turn
+                        rate, _ = in_process_decoder(path, quant, args.threads)
+                        r["served"][mode] = served(s, llama=False, in_process=rate)
+                        del rate
                         if theirs is not None:
                             r["served"][key] = served(theirs, llama=True)
                     if "concurrent" in which:
@@ -593,15 +628,22 @@ def render(r: dict) -> str:
         lines += [
             "### Served over HTTP, one request at a time",
             "",
-            "| server | decode tokens/s | served / in-process (goal within 10%) | TTFT, 256-token prompt (s) |",
-            "| --- | --- | --- | --- |",
+            "| server | decode tokens/s | in-process, in turn | served / in-process (goal within 10%) | streamed "
+            "tokens/s | streamed / in-process | TTFT, 256-token prompt (s) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for key, v in sv.items():
-            inproc = dec.get(key, {}).get("tokens_per_s")
-            lines.append(
-                f"| {key} | {v['tokens_per_s']:.1f} | {_ratio(v['tokens_per_s'], inproc) if inproc else '-'} | "
-                f"{v['ttft_256_s']:.3f} |"
-            )
+            if "ratio" in v:  # in turn with our in-process decode
+                cells = [
+                    f"{v['in_process_tokens_per_s']:.1f}",
+                    f"{v['ratio']:.2f}x",
+                    f"{v['streamed_tokens_per_s']:.1f}",
+                    f"{v['streamed_ratio']:.2f}x",
+                ]
+            else:
+                inproc = dec.get(key, {}).get("tokens_per_s")
+                cells = ["-", _ratio(v["tokens_per_s"], inproc) if inproc else "-", "-", "-"]
+            lines.append(f"| {key} | {v['tokens_per_s']:.1f} | {' | '.join(cells)} | {v['ttft_256_s']:.3f} |")
         lines.append("")
     cc = r.get("concurrent", {})
     if cc:

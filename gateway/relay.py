@@ -64,6 +64,7 @@ class Relay(Resumable):
         outbox: Outbox | None,
         timeout_s: float | None,
         cache_salt: str = "",
+        stream_interval: int = 1,
     ) -> None:
         # every output token the client has, in order: a client may itself start from a continuation
         self.tokens: list[int] = list(start.continuation.output_token_ids)
@@ -72,6 +73,9 @@ class Relay(Resumable):
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # the salt stays with the request, failovers and resumes included (docs/serving.md)
         self.request = wpb.WorkerServiceGenerateRequest(start=start, cache_salt=cache_salt)
+        # > 1 for a caller that reads only the whole answer: the worker sends the first token at
+        # once, then deltas of this many tokens, and the last (a failover loses at most those held)
+        self.request.stream_interval = stream_interval
         self.route_key = route_key(core.config, cache_salt, model, start.prompt)
         self.base_id = core.worker_request_id()
         self.request.start.request_id = self.base_id
@@ -83,6 +87,7 @@ class Relay(Resumable):
         self.t_last = 0.0
         self.spec: pb.SpeculationStats | None = None  # the latest cumulative speculation counters
         self.failovers = 0
+        self.worker_deltas = 0  # delta messages received from workers (logged: streamed, about one a token)
         self.fruitless_moves = 0  # moves in a row with no token from the worker moved to
         self.tokens_at_move = 0
         self.resubmits = 0  # continuations sent (failovers and resumes after a pause)
@@ -200,6 +205,7 @@ class Relay(Resumable):
                 "request finished",
                 status=self.final_status,
                 output_tokens=self.num_tokens,
+                worker_deltas=self.worker_deltas,
                 failovers=self.failovers,
                 worker=self.worker.address if self.worker else None,
                 ms=round((time.perf_counter() - self.t0) * 1000, 1),
@@ -269,6 +275,7 @@ class Relay(Resumable):
                 event = resp.event
                 kind = event.WhichOneof("kind")
                 if kind == "delta":
+                    self.worker_deltas += 1
                     self._relay_delta(w, resp)
                 elif kind == "finished":
                     if self.resubmits:

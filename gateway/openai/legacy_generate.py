@@ -63,7 +63,8 @@ SEPARATOR = b"\0"
 """What follows every chunk of a streamed answer (vLLM's legacy streaming)."""
 
 BodyOf = Callable[[web.Request], Awaitable[object]]
-RelayOf = Callable[[web.Request, str, pb.StartGeneration], tuple[Relay, Outbox, str]]
+RelayOf = Callable[[web.Request, str, pb.StartGeneration, bool], tuple[Relay, Outbox, str]]
+"""(request, request id, start, whole: the caller reads only the whole answer) -> a started relay."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ async def _stream(request: web.Request, parsed: GenerateRequest, outbox: Outbox,
 async def answer(request: web.Request, parsed: GenerateRequest, relay_of: RelayOf) -> web.StreamResponse:
     """Run ``parsed`` and answer it, whole or streamed; the worker call is cancelled when the
     client leaves first."""
-    relay, outbox, _model = relay_of(request, f"generate-{uuid.uuid4().hex}", parsed.start)
+    relay, outbox, _model = relay_of(request, f"generate-{uuid.uuid4().hex}", parsed.start, not parsed.stream)
     try:
         first = await outbox.get()
         raise_if_error(first)  # refused before it started: the endpoint's JSON error

@@ -43,6 +43,10 @@ log = structlog.get_logger("draftwise.gateway.openai")
 
 ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's), GET /health, GET /metrics"
 OPEN_PATHS = frozenset({"/health", "/healthz", "/metrics"})
+WHOLE_ANSWER_INTERVAL = 32
+"""Tokens a worker gathers into one delta (after the first) for a request answered whole: one
+message per token cost a non-streamed answer ~10% of its decode speed on a 2-core machine
+(docs/benchmarks.md); a worker that dies then costs at most this many tokens' recomputation."""
 """Paths open without an API key (load balancers, Prometheus), as on the metrics port."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -209,13 +213,19 @@ class OpenAIServer:
         status = HTTP_STATUS.get(ticket.code, 500)
         raise ApiError(status, ticket.message, "model" if status == 404 else None, error_code(status))
 
-    def _relay(self, request: web.Request, rid: str, start: pb.StartGeneration) -> tuple[Relay, Outbox, str]:
+    def _relay(
+        self, request: web.Request, rid: str, start: pb.StartGeneration, whole: bool = False
+    ) -> tuple[Relay, Outbox, str]:
         """A started relay of ``start`` (admitted: ApiError when it cannot be), its outbox, its model.
-        Its cache salt follows the caller's API key (gateway/tenancy.py)."""
+        Its cache salt follows the caller's API key (gateway/tenancy.py). ``whole``: the caller
+        reads only the whole answer (not streamed), so the worker sends its tokens in deltas of
+        WHOLE_ANSWER_INTERVAL (the first token at once: time to first token stays measured)."""
         ticket = self._admit(start)
-        outbox = Outbox(self.core.config.max_buffered_tokens)
+        cap = self.core.config.max_buffered_tokens
+        outbox = Outbox(cap)
         salt = self.core.salts.for_key(bearer_key(request.headers.get("Authorization")))
-        relay = Relay(self.core, rid, start, ticket, outbox, None, salt)
+        interval = min(WHOLE_ANSWER_INTERVAL, cap) if whole else 1
+        relay = Relay(self.core, rid, start, ticket, outbox, None, salt, interval)
         relay.buffer = None  # not resumable over HTTP: a client that leaves cancels its request
         relay.start()
         return relay, outbox, ticket.model
@@ -224,7 +234,7 @@ class OpenAIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if len(parsed.starts) > 1:
             return await self._batch(request, parsed, rid)
-        relay, outbox, model = self._relay(request, rid, parsed.start)
+        relay, outbox, model = self._relay(request, rid, parsed.start, whole=not parsed.stream)
         try:
             first = await outbox.get()
             try:
@@ -247,7 +257,7 @@ class OpenAIServer:
         try:
             outboxes = []
             for i, start in enumerate(parsed.starts):
-                relay, outbox, model = self._relay(request, f"{rid}-{i}", start)
+                relay, outbox, model = self._relay(request, f"{rid}-{i}", start, whole=not parsed.stream)
                 relays.append(relay)
                 outboxes.append(outbox)
             if parsed.stream:

@@ -23,7 +23,8 @@ def test_the_committed_results_render_with_their_ratios() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| float32 | "))
     ratio = r["decode"]["float32"].get("ratio", f32 / theirs)  # interleaved rounds: the median of their ratios
     assert f"| {f32:.1f} | {theirs:.1f} | {ratio:.2f}x |" in row
-    served = r["served"]["fp16"]["tokens_per_s"] / r["decode"]["fp16"]["tokens_per_s"]
+    sv = r["served"]["fp16"]  # in turn with the in-process decode: the median of the rounds' ratios
+    served = sv.get("ratio", sv["tokens_per_s"] / r["decode"]["fp16"]["tokens_per_s"])
     served_row = text.split("### Served over HTTP")[1].split("\n| fp16 | ")[1].splitlines()[0]
     assert f"| {served:.2f}x |" in served_row
     assert "goal <= 15 s" in text and "llama-server with 32 slots" in text
@@ -66,3 +67,16 @@ def test_interleaved_rounds_take_turns_and_give_the_median_of_each_rounds_ratio(
     assert got["ratio"] == 1.5  # rounds' ratios 2, 1, 1.5: not 3 / 2 of the medians
     alone = bc.interleaved(lambda: 5.0, None, rounds=2)
     assert alone == {"tokens_per_s": 5.0, "rounds": [5.0, 5.0]}
+
+
+def test_the_served_row_taken_in_turn_shows_the_rounds_ratios() -> None:
+    sv = {
+        "tokens_per_s": 90.0,
+        "streamed_tokens_per_s": 80.0,
+        "in_process_tokens_per_s": 100.0,
+        "ratio": 0.93,  # the median of the rounds' ratios, not 90 / 100
+        "streamed_ratio": 0.81,
+        "ttft_256_s": 0.3,
+    }
+    text = bc.render({"model": "m", "served": {"fp16": sv}})
+    assert "| fp16 | 90.0 | 100.0 | 0.93x | 80.0 | 0.81x | 0.300 |" in text.splitlines()

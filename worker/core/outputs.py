@@ -154,6 +154,33 @@ class RequestDelta:
     queue_time: float | None = None  # on the first delta: seconds from arrival to first scheduled
 
 
+def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
+    """Consecutive deltas of one request as one: their tokens, text and logprobs in order, the
+    first one's index (and prompt size and queue time), the last one's state (finished, reasons,
+    final output, cumulative speculation counters, error)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    first, last = deltas[0], deltas[-1]
+    logprobs: list[TokenLogprobs | None] | None = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs if d.logprobs is not None else [None] * len(d.token_ids))]
+    return RequestDelta(
+        request_id=first.request_id,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        first_token_index=first.first_token_index,
+        text="".join(d.text for d in deltas),
+        logprobs=logprobs,
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        final=last.final,
+        spec=last.spec,
+        error=last.error,
+        num_prompt_tokens=first.num_prompt_tokens,
+        queue_time=first.queue_time,
+    )
+
+
 @dataclass(frozen=True)
 class StepStats:
     num_scheduled: int  # requests in the batch

@@ -25,13 +25,13 @@ import contextlib
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from draftwise.worker.core.block_manager import PrefixCacheStats
-from draftwise.worker.core.outputs import RequestDelta, SpecStats, StepOutput
+from draftwise.worker.core.outputs import RequestDelta, SpecStats, StepOutput, merge_deltas
 from draftwise.worker.engine.llm_engine import EngineDeadError, LLMEngine
 from draftwise.worker.sampling.grammar import GrammarStats
 from draftwise.worker.sampling.sampling_params import SamplingParams
@@ -50,6 +50,27 @@ class RequestFailedError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestDelta | BaseException]
+    interval: int = 1  # output tokens gathered into one delta after the first (``generate``'s stream_interval)
+    held: list[RequestDelta] = field(default_factory=list)  # deltas gathered, not yet handed over
+    held_tokens: int = 0
+    started: bool = False  # its first delta went out
+
+    def gather(self, d: RequestDelta) -> RequestDelta | None:
+        """On the engine thread: the delta to hand over now (``d``, or ``d`` merged with the
+        deltas held before it), or None while it is held. The first delta and the last one go
+        out at once."""
+        if self.interval <= 1:
+            return d
+        if self.started and not d.finished and d.error is None and self.held_tokens + len(d.token_ids) < self.interval:
+            self.held.append(d)
+            self.held_tokens += len(d.token_ids)
+            return None
+        self.started = True
+        if not self.held:
+            return d
+        merged = merge_deltas([*self.held, d])
+        self.held, self.held_tokens = [], 0
+        return merged
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestDelta | BaseException]]) -> None:
@@ -180,12 +201,16 @@ class AsyncEngine:
         continuation: Sequence[int] = (),
         continuation_spec: SpecStats | None = None,
         cache_salt: str = "",
+        stream_interval: int = 1,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the deltas of one request. ValueError for a bad request, before any delta;
         RequestFailedError if the engine fails it; EngineDeadError if the engine stops.
         A ChatPrompt is rendered with the model's chat template (off the engine thread too)
         and stops at the template's end-of-turn token. Requests with different ``cache_salt``
-        never share cached KV blocks."""
+        never share cached KV blocks. ``stream_interval`` > 1: after the first delta, the
+        engine thread gathers the request's deltas until they hold that many tokens (the last
+        delta goes out at once), so that a caller that wants only the whole answer is woken
+        a few times instead of once a token."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead or 'not started'}")
         ids: list[int] | None = None
@@ -197,7 +222,7 @@ class AsyncEngine:
             ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)
         if sampling_params is not None and sampling_params.constraint is not None:  # compiled off the engine thread
             await asyncio.to_thread(self.engine.intake.compile_constraint, sampling_params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), max(1, stream_interval))
 
         def add() -> None:
             self.engine.add_request(
@@ -268,9 +293,11 @@ class AsyncEngine:
                 for d in out.deltas:
                     s = self._streams.get(d.request_id)
                     if s is not None:
-                        batches.setdefault(s.loop, []).append((s.queue, d))
                         if d.finished:
                             self._streams.pop(d.request_id, None)
+                        ready = s.gather(d)
+                        if ready is not None:
+                            batches.setdefault(s.loop, []).append((s.queue, ready))
                 for loop, items in batches.items():
                     _post(loop, items)
                 if self.on_step is not None:

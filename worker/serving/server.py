@@ -141,7 +141,9 @@ class WorkerServicer(wgrpc.WorkerServiceServicer):
         self.in_flight += 1
         self._idle.clear()
         try:
-            stream = self.aengine.generate(rid, prompt, params, continuation, continuation_spec, request.cache_salt)
+            stream = self.aengine.generate(
+                rid, prompt, params, continuation, continuation_spec, request.cache_salt, request.stream_interval
+            )
             try:
                 async for delta in stream:
                     for resp in responses_from_delta(delta):

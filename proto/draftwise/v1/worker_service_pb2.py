@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from draftwise.v1 import generation_pb2 as draftwise_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!draftwise/v1/worker_service.proto\x12\x0c\x64raftwise.v1\x1a\x1d\x64raftwise/v1/generation.proto\"`\n\x1cWorkerServiceGenerateRequest\x12,\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGeneration\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"M\n\x1dWorkerServiceGenerateResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"\x10\n\x0eGetLoadRequest\"\xaf\x03\n\x0fGetLoadResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x05 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1c\n\x14num_cached_kv_blocks\x18\n \x01(\r\x12\x19\n\x11worker_started_at\x18\x0b \x01(\x01\x12\x1c\n\x14\x63onstrained_requests\x18\x0c \x01(\x04\x12\x1f\n\x17grammar_compile_seconds\x18\r \x01(\x01\x12\x1c\n\x14grammar_mask_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14grammar_masked_steps\x18\x0f \x01(\x04\",\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"/\n\rDrainResponse\x12\x1e\n\x16num_requests_in_flight\x18\x01 \x01(\r2\x80\x02\n\rWorkerService\x12\x65\n\x08Generate\x12*.draftwise.v1.WorkerServiceGenerateRequest\x1a+.draftwise.v1.WorkerServiceGenerateResponse0\x01\x12\x46\n\x07GetLoad\x12\x1c.draftwise.v1.GetLoadRequest\x1a\x1d.draftwise.v1.GetLoadResponse\x12@\n\x05\x44rain\x12\x1a.draftwise.v1.DrainRequest\x1a\x1b.draftwise.v1.DrainResponseBz\n\x10\x63om.draftwise.v1B\x12WorkerServiceProtoP\x01ZAgithub.com/draftwise/draftwise/clients/go/draftwisev1;draftwisev1\xaa\x02\x0c\x44raftwise.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!draftwise/v1/worker_service.proto\x12\x0c\x64raftwise.v1\x1a\x1d\x64raftwise/v1/generation.proto\"y\n\x1cWorkerServiceGenerateRequest\x12,\n\x05start\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.StartGeneration\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x17\n\x0fstream_interval\x18\x03 \x01(\r\"M\n\x1dWorkerServiceGenerateResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.draftwise.v1.GenerationEvent\"\x10\n\x0eGetLoadRequest\"\xaf\x03\n\x0fGetLoadResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x05 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x1c\n\x14num_cached_kv_blocks\x18\n \x01(\r\x12\x19\n\x11worker_started_at\x18\x0b \x01(\x01\x12\x1c\n\x14\x63onstrained_requests\x18\x0c \x01(\x04\x12\x1f\n\x17grammar_compile_seconds\x18\r \x01(\x01\x12\x1c\n\x14grammar_mask_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14grammar_masked_steps\x18\x0f \x01(\x04\",\n\x0c\x44rainRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"/\n\rDrainResponse\x12\x1e\n\x16num_requests_in_flight\x18\x01 \x01(\r2\x80\x02\n\rWorkerService\x12\x65\n\x08Generate\x12*.draftwise.v1.WorkerServiceGenerateRequest\x1a+.draftwise.v1.WorkerServiceGenerateResponse0\x01\x12\x46\n\x07GetLoad\x12\x1c.draftwise.v1.GetLoadRequest\x1a\x1d.draftwise.v1.GetLoadResponse\x12@\n\x05\x44rain\x12\x1a.draftwise.v1.DrainRequest\x1a\x1b.draftwise.v1.DrainResponseBz\n\x10\x63om.draftwise.v1B\x12WorkerServiceProtoP\x01ZAgithub.com/draftwise/draftwise/clients/go/draftwisev1;draftwisev1\xaa\x02\x0c\x44raftwise.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\020com.draftwise.v1B\022WorkerServiceProtoP\001ZAgithub.com/draftwise/draftwise/clients/go/draftwisev1;draftwisev1\252\002\014Draftwise.V1'
   _globals['_WORKERSERVICEGENERATEREQUEST']._serialized_start=82
-  _globals['_WORKERSERVICEGENERATEREQUEST']._serialized_end=178
-  _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_start=180
-  _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_end=257
-  _globals['_GETLOADREQUEST']._serialized_start=259
-  _globals['_GETLOADREQUEST']._serialized_end=275
-  _globals['_GETLOADRESPONSE']._serialized_start=278
-  _globals['_GETLOADRESPONSE']._serialized_end=709
-  _globals['_DRAINREQUEST']._serialized_start=711
-  _globals['_DRAINREQUEST']._serialized_end=755
-  _globals['_DRAINRESPONSE']._serialized_start=757
-  _globals['_DRAINRESPONSE']._serialized_end=804
-  _globals['_WORKERSERVICE']._serialized_start=807
-  _globals['_WORKERSERVICE']._serialized_end=1063
+  _globals['_WORKERSERVICEGENERATEREQUEST']._serialized_end=203
+  _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_start=205
+  _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_end=282
+  _globals['_GETLOADREQUEST']._serialized_start=284
+  _globals['_GETLOADREQUEST']._serialized_end=300
+  _globals['_GETLOADRESPONSE']._serialized_start=303
+  _globals['_GETLOADRESPONSE']._serialized_end=734
+  _globals['_DRAINREQUEST']._serialized_start=736
+  _globals['_DRAINREQUEST']._serialized_end=780
+  _globals['_DRAINRESPONSE']._serialized_start=782
+  _globals['_DRAINRESPONSE']._serialized_end=829
+  _globals['_WORKERSERVICE']._serialized_start=832
+  _globals['_WORKERSERVICE']._serialized_end=1088
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerServiceGenerateRequest(_message.Message):
-    __slots__ = ("start", "cache_salt")
+    __slots__ = ("start", "cache_salt", "stream_interval")
     START_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     start: _generation_pb2.StartGeneration
     cache_salt: str
-    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, start: _Optional[_Union[_generation_pb2.StartGeneration, _Mapping]] = ..., cache_salt: _Optional[str] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class WorkerServiceGenerateResponse(_message.Message):
     __slots__ = ("event",)
