@@ -38,6 +38,11 @@ class GatewayConfig:
     max_buffered_tokens: int = 1024
     """Tokens of one request queued for a reader that falls behind before it is cancelled (RESOURCE_EXHAUSTED).
     Below the embedded model's context (2048 tokens), so that a stalled reader's long request can trip it."""
+    stream_interval: int = 1
+    """Output tokens a worker gathers into one delta of a streamed request after its first token (vLLM's and
+    SGLang's --stream-interval): 1 sends every step's tokens as they come; more trades smoothness for less work
+    per token (a delta is a message from the worker and a write to the client). Answers read whole (non-streamed
+    HTTP) are gathered anyway, 32 tokens at a time (or this many, if more). At most max_buffered_tokens."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest client message accepted (bytes, serialized); larger ones get INVALID_ARGUMENT naming the
     limit. Below the internal hop's 4 MiB so that this is the limit that bites, never the hop's."""
@@ -99,6 +104,11 @@ class GatewayConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.max_buffered_tokens < 1:
             raise ValueError(f"max_buffered_tokens must be >= 1, got {self.max_buffered_tokens}")
+        if not 1 <= self.stream_interval <= self.max_buffered_tokens:
+            raise ValueError(
+                f"stream_interval must be in [1, max_buffered_tokens={self.max_buffered_tokens}], "
+                f"got {self.stream_interval}"
+            )
         if not 1 <= self.max_request_bytes <= MAX_RECEIVE_BYTES:
             raise ValueError(f"max_request_bytes must be in [1, {MAX_RECEIVE_BYTES}], got {self.max_request_bytes}")
         if self.retry_after_ms < 0:

@@ -64,7 +64,7 @@ class Relay(Resumable):
         outbox: Outbox | None,
         timeout_s: float | None,
         cache_salt: str = "",
-        stream_interval: int = 1,
+        stream_interval: int | None = None,
     ) -> None:
         # every output token the client has, in order: a client may itself start from a continuation
         self.tokens: list[int] = list(start.continuation.output_token_ids)
@@ -73,9 +73,9 @@ class Relay(Resumable):
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # the salt stays with the request, failovers and resumes included (docs/serving.md)
         self.request = wpb.WorkerServiceGenerateRequest(start=start, cache_salt=cache_salt)
-        # > 1 for a caller that reads only the whole answer: the worker sends the first token at
-        # once, then deltas of this many tokens, and the last (a failover loses at most those held)
-        self.request.stream_interval = stream_interval
+        # > 1: the worker sends the first token at once, then deltas of at least this many tokens, and the
+        # last (a failover loses at most those held); None: the gateway's --stream-interval
+        self.request.stream_interval = core.config.stream_interval if stream_interval is None else stream_interval
         self.route_key = route_key(core.config, cache_salt, model, start.prompt)
         self.base_id = core.worker_request_id()
         self.request.start.request_id = self.base_id

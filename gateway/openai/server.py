@@ -224,7 +224,8 @@ class OpenAIServer:
         cap = self.core.config.max_buffered_tokens
         outbox = Outbox(cap)
         salt = self.core.salts.for_key(bearer_key(request.headers.get("Authorization")))
-        interval = min(WHOLE_ANSWER_INTERVAL, cap) if whole else 1
+        streamed = self.core.config.stream_interval
+        interval = max(min(WHOLE_ANSWER_INTERVAL, cap), streamed) if whole else streamed
         relay = Relay(self.core, rid, start, ticket, outbox, None, salt, interval)
         relay.buffer = None  # not resumable over HTTP: a client that leaves cancels its request
         relay.start()

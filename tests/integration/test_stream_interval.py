@@ -26,12 +26,13 @@ from draftwise.gateway.openai.server import WHOLE_ANSWER_INTERVAL
 from draftwise.gateway.relay import Relay
 from draftwise.gateway.server import Gateway
 from draftwise.gateway.streams import Outbox
+from draftwise.v1 import generate_service_pb2_grpc as gsgrpc
 from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from tests.integration.http_gateway import HttpGateway, http_gateway
-from tests.integration.procs import ENGINE_ARGS, INTERNAL_SECRET, PARENT, Proc, secret_args
-from tests.integration.rpc import start, worker_metadata
+from tests.integration.procs import ENGINE_ARGS, INTERNAL_SECRET, PARENT, Proc, secret_args, start_gateway
+from tests.integration.rpc import Result, run_stream, start, worker_metadata
 
 PROMPT = "def fibonacci(n):"
 N = 40
@@ -216,3 +217,33 @@ def test_a_worker_killed_mid_answer_costs_no_token(slow_pair: list[Proc]) -> Non
     assert killed_at < n and relay.failovers == 1, (killed_at, relay.failovers)
     assert events[-1].WhichOneof("kind") == "finished", events[-1]
     assert [t for e in events[:-1] for t in e.delta.token_ids] == ref
+
+
+def test_the_gateways_stream_interval_gathers_streamed_deltas(http: HttpGateway, proc_dir: Path) -> None:
+    """``--stream-interval 4`` (vLLM's and SGLang's flag): a streamed request's deltas after the first
+    hold at least 4 tokens, on the Generate stream and over SSE; the tokens are the same."""
+    gw = start_gateway([http.worker], proc_dir, "gw-interval", "--stream-interval=4")
+    try:
+
+        async def go(interval_gateway: bool) -> Result:
+            address = gw.address if interval_gateway else http.gateway.address
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = gsgrpc.GenerateServiceStub(ch)
+                rid = f"s{int(interval_gateway)}"
+                got = await run_stream(stub, [start(rid, PROMPT, temperature=0, max_tokens=N, ignore_eos=True)])
+            return got[rid]
+
+        plain, gathered = asyncio.run(go(False)), asyncio.run(go(True))
+    finally:
+        gw.stop()
+    assert gathered.token_ids == plain.token_ids and len(plain.token_ids) == N
+    assert gathered.delta_sizes[0] == plain.delta_sizes[0]
+    assert all(n >= 4 for n in gathered.delta_sizes[1:-1]), gathered.delta_sizes
+    assert len(gathered.delta_sizes) < len(plain.delta_sizes), (gathered.delta_sizes, plain.delta_sizes)
+
+
+def test_a_stream_interval_past_the_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="stream_interval must be in"):
+        GatewayConfig(stream_interval=0)
+    with pytest.raises(ValueError, match=r"max_buffered_tokens=16\], got 17"):
+        GatewayConfig(stream_interval=17, max_buffered_tokens=16)
