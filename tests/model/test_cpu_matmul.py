@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -260,7 +261,8 @@ def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
     from draftwise.worker.model.loader import cpu_products, load_model
 
     loaded = load_model(default_model_path(), quantization=mode)
-    assert cpu_products(loaded.model) == "draftwise kernel"
+    vectors = "AVX-512" if cpu_matmul.use_avx512() else "AVX2"
+    assert cpu_products(loaded.model) == f"draftwise kernel ({vectors})"
     monkeypatch.setenv(cpu_matmul.ENV, "0")
     if mode in ("int8", "int4"):  # no torch fallback: refused in one line
         from draftwise.worker.model.model_config import ModelLoadError
@@ -270,3 +272,66 @@ def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
         return
     loaded = load_model(default_model_path(), quantization=mode)
     assert cpu_products(loaded.model) == f"torch ({cpu_matmul.ENV}=0)"
+
+
+def _library(path) -> object:
+    import ctypes
+
+    lib = ctypes.CDLL(str(path))
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
+        fn.argtypes = [*args, ctypes.c_int]
+        fn.restype = None
+    for fn in (lib.dw_matmul_q8, lib.dw_matmul_q4):
+        fn.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = None
+    lib.dw_vector_bits.restype = ctypes.c_int
+    return lib
+
+
+def _products(lib, x: torch.Tensor, weights: dict) -> dict[str, torch.Tensor]:
+    rows, inn = x.shape
+    out = {}
+    for name, (w, sm, n_out) in weights.items():
+        y = torch.full((rows, n_out), float("nan"))
+        a = [x.data_ptr(), rows, inn, w.data_ptr(), n_out, y.data_ptr(), 2]
+        getattr(lib, f"dw_matmul_{name}")(*a, *([sm.data_ptr()] if sm is not None else []))
+        out[name] = y
+    return out
+
+
+@pytest.mark.skipif(not cpu_matmul.has_avx512(), reason="this CPU has no AVX-512 (CI's machine has)")
+def test_the_avx512_products_equal_the_avx2_ones_bit_for_bit(monkeypatch, tmp_path):
+    """The 512-bit products (12 rows a pass, one register a panel) sum every output as the AVX2 ones
+    do: every format, every row count through the passes and past them (the dequantized-panel
+    path of the codes), odd widths."""
+    monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
+    cxx = cpu_matmul._compiler()
+    assert cxx is not None
+    narrow, wide = _library(cpu_matmul._build(cxx, avx512=False)), _library(cpu_matmul._build(cxx, avx512=True))
+    assert (narrow.dw_vector_bits(), wide.dw_vector_bits()) == (256, 512)
+    gen = torch.Generator().manual_seed(0)
+    for n_out, inn in ((64, 576), (1536, 576), (576, 1536), (32, 96)):
+        w = torch.randn(n_out, inn, generator=gen)
+        weights = {
+            "f32": (cpu_matmul.pack(w), None, n_out),
+            "f16": (cpu_matmul.pack(w, torch.float16), None, n_out),
+            "q8": (*cpu_matmul.pack_quantized(w, 8), n_out),
+            "q4": (*cpu_matmul.pack_quantized(w, 4), n_out),
+        }
+        for rows in [*range(1, 27), 37, 64, 130]:
+            x = torch.randn(rows, inn, generator=gen)
+            a, b = _products(narrow, x, weights), _products(wide, x, weights)
+            for name in weights:
+                assert torch.equal(a[name], b[name]), (name, n_out, inn, rows)
+                assert not a[name].isnan().any()
+            torch.testing.assert_close(a["f32"], _ref(x, w), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not cpu_matmul.has_avx512(), reason="this CPU has no AVX-512 (CI's machine has)")
+def test_draftwise_cpu_avx512_0_builds_the_avx2_products():
+    code = "from draftwise.worker.model import cpu_matmul as c; print(c.vector_bits())"
+    for value, bits in (("0", "256"), ("1", "512")):
+        env = {**os.environ, cpu_matmul.AVX512_ENV: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == bits, (value, out.stdout, out.stderr)

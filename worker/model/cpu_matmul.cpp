@@ -23,6 +23,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "cpu_pool.h"
 
 constexpr int PANEL = 16;
@@ -231,6 +233,167 @@ static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w,
 }
 
 
+#ifdef __AVX512F__
+// The same products with 512-bit vectors, built when the CPU has AVX-512 (cpu_matmul.py): a panel's 16
+// outputs are one register, so a pass holds up to Z_ROWS rows (one accumulator each) and a weight is
+// loaded, widened and scaled once per 16 outputs instead of twice. Every output is summed exactly as
+// above (the same fused multiply-adds in the same input order, the same blocks): the results are the
+// AVX2 kernel's bit for bit (tests/model/test_cpu_matmul.py builds both and compares). On a core whose
+// FMA units are 512 bits wide (this project's Zen 5 machine: 396 against 200 GFLOP/s a core, measured)
+// a compute-bound product (a prompt, a batch, a verify pass) takes about half the time.
+constexpr int Z_ROWS = 12;
+
+#define Z_DECLARE __m512 z0, z1, z2, z3, z4, z5, z6, z7, z8, z9, z10, z11;
+#define Z_ZERO                                                                            \
+    z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0, z4 = z0, z5 = z0, z6 = z0, z7 = z0; \
+    z8 = z0, z9 = z0, z10 = z0, z11 = z0;
+#define Z_ROW(r) \
+    if constexpr (R > r) z##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, z##r);
+#define Z_ROWS_ALL Z_ROW(0) Z_ROW(1) Z_ROW(2) Z_ROW(3) Z_ROW(4) Z_ROW(5) Z_ROW(6) Z_ROW(7) Z_ROW(8) Z_ROW(9) Z_ROW(10) Z_ROW(11)
+#define Z_STORE(r) \
+    if constexpr (R > r) _mm512_storeu_ps(y + r * ldy, z##r);
+#define Z_ADD(r) \
+    if constexpr (R > r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_loadu_ps(y + r * ldy), z##r));
+#define Z_FLUSH(first)                                                                                         \
+    if (first) { Z_STORE(0) Z_STORE(1) Z_STORE(2) Z_STORE(3) Z_STORE(4) Z_STORE(5) Z_STORE(6) Z_STORE(7)      \
+                 Z_STORE(8) Z_STORE(9) Z_STORE(10) Z_STORE(11) }                                               \
+    else { Z_ADD(0) Z_ADD(1) Z_ADD(2) Z_ADD(3) Z_ADD(4) Z_ADD(5) Z_ADD(6) Z_ADD(7) Z_ADD(8) Z_ADD(9) Z_ADD(10) \
+           Z_ADD(11) }
+
+static inline __m512 z_load_w(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 z_load_w(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// n rows (1 <= n <= Z_ROWS) as a compile-time count: f(std::integral_constant<int, R>).
+template <int R, typename F>
+static inline void z_dispatch(int64_t n, F&& f) {
+    if constexpr (R >= 1) {
+        if (n == R) {
+            f(std::integral_constant<int, R>{});
+            return;
+        }
+        z_dispatch<R - 1>(n, f);
+    }
+}
+
+template <int R, typename W>
+static void z_panel_rows(const W* panel, const float* x, int64_t ldx, int64_t in, float* y, int64_t ldy) {
+    static_assert(R >= 1 && R <= Z_ROWS, "rows per pass");
+    Z_DECLARE
+    for (int64_t k0 = 0; k0 < in; k0 += KBLOCK) {
+        const int64_t k1 = k0 + KBLOCK < in ? k0 + KBLOCK : in;
+        Z_ZERO
+        for (int64_t k = k0; k < k1; ++k) {
+            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PREFETCH) * PANEL), _MM_HINT_T0);
+            const __m512 w = z_load_w(panel + k * PANEL);
+            Z_ROWS_ALL
+        }
+        Z_FLUSH(k0 == 0)
+    }
+}
+
+template <typename W>
+static void z_panel_all_rows(const W* panel, const float* x, int64_t rows, int64_t in, float* y, int64_t out) {
+    int64_t r = 0;
+    for (; r + Z_ROWS <= rows; r += Z_ROWS) z_panel_rows<Z_ROWS>(panel, x + r * in, in, in, y + r * out, out);
+    z_dispatch<Z_ROWS - 1>(rows - r, [&](auto rc) {
+        z_panel_rows<decltype(rc)::value>(panel, x + r * in, in, in, y + r * out, out);
+    });
+}
+
+template <typename W>
+static void z_matmul(const float* x, int64_t rows, int64_t in, const W* w, int64_t out, float* y, int threads) {
+    const int64_t panels = out / PANEL;
+    dw_parallel_for(threads, panels, dw_grain(panels, threads), [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) z_panel_all_rows(w + p * in * PANEL, x, rows, in, y + p * PANEL, out);
+    });
+}
+
+// A panel's codes of input k as float32 weights (outputs 0-15 in order), before scaling.
+template <int BITS>
+static inline __m512 z_load_q(const uint8_t* panel, int64_t k) {
+    if constexpr (BITS == 8) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * PANEL))));
+    } else {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(panel + k * (PANEL / 2)));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(q, low), _mm_and_si128(_mm_srli_epi16(q, 4), low));
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
+    }
+}
+
+static inline void z_load_scales(const uint16_t* sm, int64_t g, __m512& s, __m512& m) {
+    const uint16_t* p = sm + (g / GROUP) * 2 * PANEL;
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + PANEL)));
+}
+
+template <int R, int BITS>
+static void z_panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float* x, int64_t ldx, int64_t in, float* y,
+                           int64_t ldy) {
+    static_assert(R >= 1 && R <= Z_ROWS, "rows per pass");
+    Z_DECLARE
+    for (int64_t k0 = 0; k0 < in; k0 += KBLOCK) {
+        const int64_t k1 = k0 + KBLOCK < in ? k0 + KBLOCK : in;
+        Z_ZERO
+        for (int64_t g = k0; g < k1; g += GROUP) {
+            __m512 sc, mn;
+            z_load_scales(sm, g, sc, mn);
+            for (int64_t k = g; k < g + GROUP; ++k) {
+                _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 4 * PREFETCH) * PANEL * BITS / 8), _MM_HINT_T0);
+                const __m512 w = _mm512_fmadd_ps(z_load_q<BITS>(panel, k), sc, mn);
+                Z_ROWS_ALL
+            }
+        }
+        Z_FLUSH(k0 == 0)
+    }
+}
+
+template <int BITS>
+static const float* z_dequantize_panel(const uint8_t* panel, const uint16_t* sm, int64_t in) {
+    static thread_local float* buf = nullptr;
+    static thread_local int64_t cap = 0;
+    if (cap < in * PANEL) {
+        _mm_free(buf);
+        buf = static_cast<float*>(_mm_malloc(static_cast<size_t>(in) * PANEL * sizeof(float), 64));
+        cap = buf ? in * PANEL : 0;
+        if (!buf) return nullptr;
+    }
+    for (int64_t g = 0; g < in; g += GROUP) {
+        __m512 sc, mn;
+        z_load_scales(sm, g, sc, mn);
+        for (int64_t k = g; k < g + GROUP; ++k) _mm512_store_ps(buf + k * PANEL, _mm512_fmadd_ps(z_load_q<BITS>(panel, k), sc, mn));
+    }
+    return buf;
+}
+
+template <int BITS>
+static void z_matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w, const uint16_t* sm, int64_t out,
+                       float* y, int threads) {
+    const int64_t panels = out / PANEL;
+    dw_parallel_for(threads, panels, dw_grain(panels, threads), [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+            const uint8_t* panel = w + p * in * PANEL * BITS / 8;
+            const uint16_t* s = sm + p * (in / GROUP) * 2 * PANEL;
+            float* yp = y + p * PANEL;
+            if (rows > Z_ROWS) {
+                const float* f = z_dequantize_panel<BITS>(panel, s, in);
+                if (f) {
+                    z_panel_all_rows(f, x, rows, in, yp, out);
+                    continue;
+                }
+            }
+            int64_t r = 0;
+            for (; r + Z_ROWS <= rows; r += Z_ROWS) z_panel_rows_q<Z_ROWS, BITS>(panel, s, x + r * in, in, in, yp + r * out, out);
+            z_dispatch<Z_ROWS - 1>(rows - r, [&](auto rc) {
+                z_panel_rows_q<decltype(rc)::value, BITS>(panel, s, x + r * in, in, in, yp + r * out, out);
+            });
+        }
+    });
+}
+#endif  // __AVX512F__
+
 // RMSNorm of one row: r = x + residual (residual null: r = x, res_out untouched), out = (r * s) * w
 // with s = 1 / sqrt(mean(r^2) + eps); the sum of squares in float32, 16 lanes.
 static void rms_norm_row(const float* x, const float* residual, const float* w, float eps, int64_t hidden, float* out,
@@ -263,6 +426,15 @@ static void rms_norm_row(const float* x, const float* residual, const float* w, 
 extern "C" {
 
 int dw_panel_width(void) { return PANEL; }
+
+// 512: the products run on 512-bit vectors (built with AVX-512), 256: on AVX2's.
+int dw_vector_bits(void) {
+#ifdef __AVX512F__
+    return 512;
+#else
+    return 256;
+#endif
+}
 
 // rows x hidden, all row-major and contiguous; residual and res_out null together or not at all.
 void dw_rms_norm_f32(const float* x, const float* residual, const float* w, float eps, int64_t rows, int64_t hidden,
@@ -306,12 +478,20 @@ void dw_rope_f32(float* x, int64_t rows, int64_t ldx, int64_t heads, int64_t d, 
 
 // x [rows, in] float32 row-major; w [out / 16, in, 16] float32; y [rows, out] float32; out % 16 == 0.
 void dw_matmul_f32(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y, int threads) {
+#ifdef __AVX512F__
+    z_matmul(x, rows, in, w, out, y, threads);
+#else
     matmul(x, rows, in, w, out, y, threads);
+#endif
 }
 
 // The same with w float16 (IEEE half, as uint16).
 void dw_matmul_f16(const float* x, int64_t rows, int64_t in, const uint16_t* w, int64_t out, float* y, int threads) {
+#ifdef __AVX512F__
+    z_matmul(x, rows, in, w, out, y, threads);
+#else
     matmul(x, rows, in, w, out, y, threads);
+#endif
 }
 
 // w: codes of BITS (8 or 4) bits in panels [out / 16, in, 16 * BITS / 8] bytes; sm: float16 scales and
@@ -319,10 +499,18 @@ void dw_matmul_f16(const float* x, int64_t rows, int64_t in, const uint16_t* w, 
 int dw_quant_group(void) { return GROUP; }
 void dw_matmul_q8(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out, float* y, int threads,
                   const uint16_t* sm) {
+#ifdef __AVX512F__
+    z_matmul_q<8>(x, rows, in, w, sm, out, y, threads);
+#else
     matmul_q<8>(x, rows, in, w, sm, out, y, threads);
+#endif
 }
 void dw_matmul_q4(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out, float* y, int threads,
                   const uint16_t* sm) {
+#ifdef __AVX512F__
+    z_matmul_q<4>(x, rows, in, w, sm, out, y, threads);
+#else
     matmul_q<4>(x, rows, in, w, sm, out, y, threads);
+#endif
 }
 }

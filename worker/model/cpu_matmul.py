@@ -56,6 +56,9 @@ SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.cpp") for name in ("matmul
 HEADERS = tuple(Path(__file__).with_name(f"cpu_{name}.h") for name in ("simd", "pool"))
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+AVX512_ENV = "DRAFTWISE_CPU_AVX512"  # "0": build the products for AVX2 even where the CPU has AVX-512
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded kernel, or "reason": why there is none
@@ -76,12 +79,31 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _build(cxx: str) -> Path:
-    """The compiled kernel, from the cache or compiled now (atomically: processes that start
-    together each compile to a file of their own and rename it into place)."""
+def has_avx512() -> bool:
+    """Whether this CPU runs the library's 512-bit products (AVX-512 F, BW, VL and DQ)."""
+    flags = _cpu_flags()
+    return all(f in flags for f in AVX512_CPU_FLAGS)
+
+
+def use_avx512() -> bool:
+    """Whether the library is built with its 512-bit products: where the CPU has them, unless
+    ``DRAFTWISE_CPU_AVX512=0``. Same results bit for bit; on a core with 512-bit FMA units (Zen 5)
+    a compute-bound product takes about half the time (docs/models.md)."""
+    return os.environ.get(AVX512_ENV, "1").strip() != "0" and has_avx512()
+
+
+def build_flags(avx512: bool) -> tuple[str, ...]:
+    return FLAGS + AVX512_FLAGS if avx512 else FLAGS
+
+
+def _build(cxx: str, avx512: bool | None = None) -> Path:
+    """The compiled kernel (``avx512``: with its 512-bit products; None: ``use_avx512()``), from the
+    cache or compiled now (atomically: processes that start together each compile to a file of their
+    own and rename it into place)."""
+    flags = build_flags(use_avx512() if avx512 is None else avx512)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(sources + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:20]
+    key = hashlib.sha256(sources + version.encode() + " ".join(flags).encode()).hexdigest()[:20]
     folder = draftwise_cache_dir() / "kernels"
     target = folder / f"cpu_matmul-{key}.so"
     if target.is_file():
@@ -90,7 +112,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -110,6 +132,7 @@ def _load() -> ctypes.CDLL:
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH to build it")
     lib = ctypes.CDLL(str(_build(cxx)))
+    lib.dw_vector_bits.restype = ctypes.c_int
     args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
         fn.argtypes = [*args, ctypes.c_int]
@@ -154,6 +177,12 @@ def kernel() -> ctypes.CDLL | None:
                 _state["reason"] = str(e)
         lib = _state.get("lib")
     return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def vector_bits() -> int:
+    """512 when the products run on AVX-512, 256 on AVX2, 0 without the kernel."""
+    lib = kernel()
+    return 0 if lib is None else int(lib.dw_vector_bits())
 
 
 def unavailable_reason() -> str | None:

@@ -329,6 +329,6 @@ def cpu_products(model: LlamaModel) -> str:
     linears = model.linears()
     ours = sum(m.panels or (m.packed is not None and m.packed.kernel == "draftwise") for m in linears)
     if ours == len(linears):
-        return "draftwise kernel"
+        return f"draftwise kernel ({'AVX-512' if cpu_matmul.vector_bits() == 512 else 'AVX2'})"
     reason = cpu_matmul.unavailable_reason()
     return f"draftwise kernel for {ours} of {len(linears)}" if reason is None else f"torch ({reason})"
