@@ -43,11 +43,11 @@ log = structlog.get_logger("draftwise.gateway.openai")
 
 ENDPOINTS = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's), GET /health, GET /metrics"
 OPEN_PATHS = frozenset({"/health", "/healthz", "/metrics"})
+"""Paths open without an API key (load balancers, Prometheus), as on the metrics port."""
 WHOLE_ANSWER_INTERVAL = 32
 """Tokens a worker gathers into one delta (after the first) for a request answered whole: one
 message per token cost a non-streamed answer ~10% of its decode speed on a 2-core machine
 (docs/benchmarks.md); a worker that dies then costs at most this many tokens' recomputation."""
-"""Paths open without an API key (load balancers, Prometheus), as on the metrics port."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

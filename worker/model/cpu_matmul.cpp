@@ -172,16 +172,22 @@ static void panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float* 
 // panel_rows_q) into a per-thread buffer, which the float32 passes then read from L1/L2; the passes
 // sum exactly as panel_rows_q does, so the result is bit-identical. A batched step or a prompt chunk
 // is compute-bound, and forming each weight once per pass of 6 rows cost a quarter to a half of it.
-template <int BITS>
-static const float* dequantize_panel(const uint8_t* panel, const uint16_t* sm, int64_t in) {
+// A per-thread buffer of one panel's float32 weights (in * PANEL floats, 64-byte aligned); null if out of memory.
+static float* panel_buffer(int64_t in) {
     static thread_local float* buf = nullptr;
     static thread_local int64_t cap = 0;
     if (cap < in * PANEL) {
         _mm_free(buf);
         buf = static_cast<float*>(_mm_malloc(static_cast<size_t>(in) * PANEL * sizeof(float), 64));
         cap = buf ? in * PANEL : 0;
-        if (!buf) return nullptr;
     }
+    return buf;
+}
+
+template <int BITS>
+static const float* dequantize_panel(const uint8_t* panel, const uint16_t* sm, int64_t in) {
+    float* buf = panel_buffer(in);
+    if (!buf) return nullptr;
     for (int64_t g = 0; g < in; g += GROUP) {
         __m256 s0, s1, m0, m1;
         load_scales(sm, g, s0, s1, m0, m1);
@@ -239,8 +245,8 @@ static void matmul_q(const float* x, int64_t rows, int64_t in, const uint8_t* w,
 // loaded, widened and scaled once per 16 outputs instead of twice. Every output is summed exactly as
 // above (the same fused multiply-adds in the same input order, the same blocks): the results are the
 // AVX2 kernel's bit for bit (tests/model/test_cpu_matmul.py builds both and compares). On a core whose
-// FMA units are 512 bits wide (this project's Zen 5 machine: 396 against 200 GFLOP/s a core, measured)
-// a compute-bound product (a prompt, a batch, a verify pass) takes about half the time.
+// FMA units are 512 bits wide (this project's Zen 5 machine: 396 against 200 GFLOP/s a core, register-only)
+// a compute-bound product (a prompt, a batch, a verify pass) runs 1.5-1.7x faster (measured on SmolLM2).
 constexpr int Z_ROWS = 12;
 // More rows than these: a panel's weights are formed in float32 once (into a per-thread buffer) and every pass
 // reads them from cache, instead of each pass forming them again (measured on SmolLM2's layers, 2 threads:
@@ -311,14 +317,8 @@ static void z_panel_all_rows(const W* panel, const float* x, int64_t rows, int64
 // A float16 panel as float32 (exact) in a per-thread buffer, for products of more rows than a pass: each
 // pass then reads float32 weights from cache instead of converting the panel again.
 static const float* z_widen_panel(const uint16_t* panel, int64_t in) {
-    static thread_local float* buf = nullptr;
-    static thread_local int64_t cap = 0;
-    if (cap < in * PANEL) {
-        _mm_free(buf);
-        buf = static_cast<float*>(_mm_malloc(static_cast<size_t>(in) * PANEL * sizeof(float), 64));
-        cap = buf ? in * PANEL : 0;
-        if (!buf) return nullptr;
-    }
+    float* buf = panel_buffer(in);
+    if (!buf) return nullptr;
     for (int64_t k = 0; k < in; ++k) _mm512_store_ps(buf + k * PANEL, z_load_w(panel + k * PANEL));
     return buf;
 }
@@ -385,14 +385,8 @@ static void z_panel_rows_q(const uint8_t* panel, const uint16_t* sm, const float
 
 template <int BITS>
 static const float* z_dequantize_panel(const uint8_t* panel, const uint16_t* sm, int64_t in) {
-    static thread_local float* buf = nullptr;
-    static thread_local int64_t cap = 0;
-    if (cap < in * PANEL) {
-        _mm_free(buf);
-        buf = static_cast<float*>(_mm_malloc(static_cast<size_t>(in) * PANEL * sizeof(float), 64));
-        cap = buf ? in * PANEL : 0;
-        if (!buf) return nullptr;
-    }
+    float* buf = panel_buffer(in);
+    if (!buf) return nullptr;
     for (int64_t g = 0; g < in; g += GROUP) {
         __m512 sc, mn;
         z_load_scales(sm, g, sc, mn);
