@@ -73,8 +73,7 @@ class Relay(Resumable):
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # the salt stays with the request, failovers and resumes included (docs/serving.md)
         self.request = wpb.WorkerServiceGenerateRequest(start=start, cache_salt=cache_salt)
-        # > 1: the worker sends the first token at once, then deltas of at least this many tokens, and the
-        # last (a failover loses at most those held); None: the gateway's --stream-interval
+        # tokens per worker delta after the first (docs/serving.md, "Answers read whole"); None: --stream-interval
         self.request.stream_interval = core.config.stream_interval if stream_interval is None else stream_interval
         self.route_key = route_key(core.config, cache_salt, model, start.prompt)
         self.base_id = core.worker_request_id()
