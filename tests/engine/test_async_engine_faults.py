@@ -150,6 +150,42 @@ def test_cancel_at_random_moments(aengine):
     asyncio.run(main())
 
 
+def test_a_request_failed_while_its_deltas_are_gathered_gets_its_tokens_then_the_error(aengine):
+    """``stream_interval``: the tokens held when the engine fails the request come out before the
+    RequestFailedError (not merged into the error delta, whose tokens the caller never sees); its
+    blocks are freed and the engine goes on."""
+    from draftwise.worker.engine.async_engine import RequestFailedError
+
+    async def main():
+        ref = await _collect(aengine, "ref", "def f(x):", LONG)
+        got: list[int] = []
+        calls = [0]
+
+        def break_after_three(e: LLMEngine) -> None:
+            det = e.output.detokenizers["gathered"]
+            add = det.add_tokens
+
+            def add_tokens(tokens):
+                calls[0] += 1
+                if calls[0] > 3:
+                    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+                return add(tokens)
+
+            det.add_tokens = add_tokens
+
+        with pytest.raises(RequestFailedError, match="injected"):
+            async for d in aengine.generate("gathered", "def f(x):", LONG, stream_interval=8):
+                assert d.first_token_index == len(got) and d.error is None
+                got.extend(d.token_ids)
+                if len(got) == 1:  # the first delta comes at once; then the next steps' tokens are held
+                    await aengine.call(break_after_three)
+        assert calls[0] == 4 and len(got) == 4 and got == ref[:4], (calls, got)
+        await _idle(aengine)
+        assert await _collect(aengine, "after", "def f(x):", LONG) == ref
+
+    asyncio.run(main())
+
+
 def test_commands_posted_as_the_engine_dies_are_answered():
     """Defect 3: a command posted after the liveness check but after the dying loop's last
     drain was never answered, and its caller hung."""

@@ -151,6 +151,11 @@ def start_workers(n: int, tmp: Path, prefix: str = "worker") -> list[Proc]:
         )
         for i in range(n)
     ]
+    return all_ready(procs)
+
+
+def all_ready(procs: list[Proc]) -> list[Proc]:
+    """``procs`` (started together) once each is ready; all killed if one is not."""
     try:
         for p in procs:
             p.wait_ready()

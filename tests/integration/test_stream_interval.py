@@ -31,7 +31,7 @@ from draftwise.v1 import generation_pb2 as pb
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
 from tests.integration.http_gateway import HttpGateway, http_gateway
-from tests.integration.procs import ENGINE_ARGS, INTERNAL_SECRET, PARENT, Proc, secret_args, start_gateway
+from tests.integration.procs import ENGINE_ARGS, INTERNAL_SECRET, PARENT, Proc, all_ready, secret_args, start_gateway
 from tests.integration.rpc import Result, run_stream, start, worker_metadata
 
 PROMPT = "def fibonacci(n):"
@@ -164,14 +164,7 @@ def slow_pair(proc_dir: Path):
     script = Path(__file__).with_name("slow_worker.py")
     args = [str(script), "0.01", "--port=0", "--log-format=json", *PARENT, *secret_args(), *ENGINE_ARGS]
     procs = [Proc(f"interval-slow{i}", args, proc_dir) for i in range(2)]
-    try:
-        for p in procs:
-            p.wait_ready()
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    yield procs
+    yield all_ready(procs)
     for p in procs:
         p.stop()
 

@@ -15,7 +15,7 @@ import pytest
 
 from draftwise.v1 import worker_service_pb2 as wpb
 from draftwise.v1 import worker_service_pb2_grpc as wgrpc
-from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, secret_args
+from tests.integration.procs import ENGINE_ARGS, PARENT, Proc, all_ready, secret_args
 from tests.integration.rpc import start, wait_workers_idle, worker_metadata
 
 LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
@@ -36,14 +36,7 @@ def fault_workers(proc_dir):
         Proc("fault-plain", base, proc_dir),
         Proc("fault-spec", [*base, "--speculative-model=default", "--no-speculative-adaptive"], proc_dir),
     ]
-    try:
-        for p in procs:
-            p.wait_ready()
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    yield procs
+    yield all_ready(procs)
     for p in procs:
         p.stop()
 

@@ -274,21 +274,6 @@ def test_the_load_log_says_which_kernel_multiplies(mode, monkeypatch):
     assert cpu_products(loaded.model) == f"torch ({cpu_matmul.ENV}=0)"
 
 
-def _library(path) -> object:
-    import ctypes
-
-    lib = ctypes.CDLL(str(path))
-    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
-        fn.argtypes = [*args, ctypes.c_int]
-        fn.restype = None
-    for fn in (lib.dw_matmul_q8, lib.dw_matmul_q4):
-        fn.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = None
-    lib.dw_vector_bits.restype = ctypes.c_int
-    return lib
-
-
 def _products(lib, x: torch.Tensor, weights: dict) -> dict[str, torch.Tensor]:
     rows, inn = x.shape
     out = {}
@@ -308,7 +293,8 @@ def test_the_avx512_products_equal_the_avx2_ones_bit_for_bit(monkeypatch, tmp_pa
     monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
     cxx = cpu_matmul._compiler()
     assert cxx is not None
-    narrow, wide = _library(cpu_matmul._build(cxx, avx512=False)), _library(cpu_matmul._build(cxx, avx512=True))
+    narrow = cpu_matmul.open_library(cpu_matmul._build(cxx, avx512=False))
+    wide = cpu_matmul.open_library(cpu_matmul._build(cxx, avx512=True))
     assert (narrow.dw_vector_bits(), wide.dw_vector_bits()) == (256, 512)
     gen = torch.Generator().manual_seed(0)
     for n_out, inn in ((64, 576), (1536, 576), (576, 1536), (32, 96)):

@@ -55,22 +55,21 @@ class _Stream:
     held_tokens: int = 0
     started: bool = False  # its first delta went out
 
-    def gather(self, d: RequestDelta) -> RequestDelta | None:
-        """On the engine thread: the delta to hand over now (``d``, or ``d`` merged with the
-        deltas held before it), or None while it is held. The first delta and the last one go
-        out at once."""
+    def gather(self, d: RequestDelta) -> list[RequestDelta]:
+        """On the engine thread: the deltas to hand over now (none while ``d`` is held). The first
+        delta and the last go out at once; the held ones go with the next, merged, except before
+        an error, which comes after them on its own (the caller raises it without its tokens)."""
         if self.interval <= 1:
-            return d
+            return [d]
         if self.started and not d.finished and d.error is None and self.held_tokens + len(d.token_ids) < self.interval:
             self.held.append(d)
             self.held_tokens += len(d.token_ids)
-            return None
+            return []
         self.started = True
-        if not self.held:
-            return d
-        merged = merge_deltas([*self.held, d])
-        self.held, self.held_tokens = [], 0
-        return merged
+        held, self.held, self.held_tokens = self.held, [], 0
+        if d.error is not None:
+            return [merge_deltas(held), d] if held else [d]
+        return [merge_deltas([*held, d])]
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestDelta | BaseException]]) -> None:
@@ -295,8 +294,7 @@ class AsyncEngine:
                     if s is not None:
                         if d.finished:
                             self._streams.pop(d.request_id, None)
-                        ready = s.gather(d)
-                        if ready is not None:
+                        for ready in s.gather(d):
                             batches.setdefault(s.loop, []).append((s.queue, ready))
                 for loop, items in batches.items():
                     _post(loop, items)

@@ -122,6 +122,21 @@ def _build(cxx: str, avx512: bool | None = None) -> Path:
     return target
 
 
+def open_library(path: Path) -> ctypes.CDLL:
+    """The compiled library at ``path`` with its products' signatures declared (``dw_matmul_*``,
+    ``dw_vector_bits``); ``_load`` declares the rest and checks it against this module."""
+    lib = ctypes.CDLL(str(path))
+    lib.dw_vector_bits.restype = ctypes.c_int
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
+        fn.argtypes = [*args, ctypes.c_int]
+        fn.restype = None
+    for fn in (lib.dw_matmul_q8, lib.dw_matmul_q4):
+        fn.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = None
+    return lib
+
+
 def _load() -> ctypes.CDLL:
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the kernel is x86-64 code; this machine is {platform.machine()}")
@@ -131,15 +146,7 @@ def _load() -> ctypes.CDLL:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH to build it")
-    lib = ctypes.CDLL(str(_build(cxx)))
-    lib.dw_vector_bits.restype = ctypes.c_int
-    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    for fn in (lib.dw_matmul_f32, lib.dw_matmul_f16):
-        fn.argtypes = [*args, ctypes.c_int]
-        fn.restype = None
-    for fn in (lib.dw_matmul_q8, lib.dw_matmul_q4):
-        fn.argtypes = [*args, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = None
+    lib = open_library(_build(cxx))
     if lib.dw_quant_group() != QUANT_GROUP:
         raise RuntimeError(f"the kernel's quantization group is {lib.dw_quant_group()}, this module's {QUANT_GROUP}")
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
