@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from head_prompts import EVAL_PROMPTS, broad_prompts, text_answers, training_prompts  # noqa: E402
+from head_prompts_wide import wide_prompts  # noqa: E402
 
 from draftwise.worker.core.block_manager import BlockManager  # noqa: E402
 from draftwise.worker.engine.intake import Intake  # noqa: E402
@@ -196,9 +197,9 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=1200, help="training prompts")
     ap.add_argument(
         "--prompts",
-        choices=("train", "broad", "eval"),
+        choices=("train", "broad", "wide", "eval"),
         default="train",
-        help="train: training_prompts (shards shard_NNN.pt); broad: broad_prompts (broad_NNN.pt); eval: the "
+        help="train: training_prompts (shards shard_NNN.pt); broad: broad_prompts (broad_NNN.pt); wide: head_prompts_wide.wide_prompts (wide_NNN.pt); eval: the "
         "held-out evaluation prompts, greedy (eval_NNN.pt; for figures only, never for training: keep them in "
         "another folder)",
     )
@@ -217,8 +218,9 @@ def main() -> None:
     if args.prompts == "eval":
         pairs, args.sampled = list(EVAL_PROMPTS), 0.0
     else:
-        pairs = (broad_prompts if args.prompts == "broad" else training_prompts)(args.count, args.seed)
-    prefix = {"train": "shard", "broad": "broad", "eval": "eval"}[args.prompts]
+        make = {"broad": broad_prompts, "wide": wide_prompts, "train": training_prompts}[args.prompts]
+        pairs = make(args.count, args.seed)
+    prefix = {"train": "shard", "broad": "broad", "wide": "wide", "eval": "eval"}[args.prompts]
     loaded = load_model(folder, dtype="float32")
     bs = 16
     per_seq = -(-(args.max_prompt + args.max_new + 1) // bs)
