@@ -54,6 +54,18 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
         "  families (`head_prompts.py --broad`, `distill_heads_data.py --prompts broad`): everyday advice and",
         "  explanations, short messages, code tasks in ten languages and programming questions, varied word problems",
         "  and logic;",
+        *(
+            [
+                f"- and {data['wide_sequences']} ({data['wide_answer_tokens']} tokens) answer the wide families "
+                "(`scripts/head_prompts_wide.py`,",
+                "  `distill_heads_data.py --prompts wide`): 523 subjects in 11 domains (science, health, history, places,",
+                "  home and cooking, technology, money and work, nature, arts and sport, society, ideas) asked in 40 ways,",
+                "  code tasks and programming concepts in 13 languages, more kinds of word problem; no wide prompt names",
+                "  an evaluation prompt's subject, so the evaluation measures topics the head never saw;",
+            ]
+            if data.get("wide_sequences")
+            else []
+        ),
         (
             f"- draft vocabulary: the {vocab['size']} most frequent tokens of the generated answers, covering {vocab['answer_token_coverage']:.1%} of them."
             if not recipe.get("init") or recipe.get("new_vocab")

@@ -61,6 +61,7 @@ def load_data(folder: Path, shards: str = "*_[0-9][0-9][0-9].pt", layers: Path |
                 {
                     "source": "text" if path.name.startswith("text_") else "generated",
                     "broad": path.name.startswith("broad_"),
+                    "wide": path.name.startswith("wide_"),
                     "file": path.name,
                     "tokens": d["tokens"][at_t : at_t + n].long(),
                     "feats": d["feats"][at_f : at_f + n - 1],
@@ -397,6 +398,8 @@ def main() -> None:
             "teacher_forced_answer_tokens": sum(len(s["tokens"]) - s["prompt"] for s in n_text),
             "broad_sequences": sum(s["broad"] for s in train),
             "broad_answer_tokens": sum(len(s["tokens"]) - s["prompt"] for s in train if s["broad"]),
+            "wide_sequences": sum(s.get("wide", False) for s in train),
+            "wide_answer_tokens": sum(len(s["tokens"]) - s["prompt"] for s in train if s.get("wide", False)),
             "held_out_sequences": len(val),
             "source": "scripts/head_prompts.py prompts answered by the target (scripts/distill_heads_data.py)",
         },
