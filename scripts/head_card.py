@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import head_prompts_wide as wide  # (scripts/ is on the path of every script that writes a card)
+
 
 def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
     """The head's model card: what it is for, the data, the recipe, the figures of its run."""
@@ -58,9 +60,10 @@ def write_card(folder: Path, kind: str, target: str, t: dict) -> None:
             [
                 f"- and {data['wide_sequences']} ({data['wide_answer_tokens']} tokens) answer the wide families "
                 "(`scripts/head_prompts_wide.py`,",
-                "  `distill_heads_data.py --prompts wide`): 523 subjects in 11 domains (science, health, history, places,",
-                "  home and cooking, technology, money and work, nature, arts and sport, society, ideas) asked in 40 ways,",
-                "  code tasks and programming concepts in 13 languages, more kinds of word problem; no wide prompt names",
+                f"  `distill_heads_data.py --prompts wide`): {sum(map(len, wide.SUBJECTS.values()))} subjects in "
+                f"{len(wide.SUBJECTS)} domains ({', '.join(d.replace('_', ' and ') for d in wide.SUBJECTS)}) asked in {len(wide.ASKS)} ways,",
+                f"  code tasks and programming concepts in {len(wide.LANGUAGES_WIDE)} languages, "
+                f"{len(wide.REASONING_WIDE)} kinds of word problem; no wide prompt names",
                 "  an evaluation prompt's subject, so the evaluation measures topics the head never saw;",
             ]
             if data.get("wide_sequences")

@@ -5,20 +5,14 @@ reproducible, distinct and covers the evaluation's three kinds."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "scripts"))
-spec = importlib.util.spec_from_file_location("head_prompts_wide", ROOT / "scripts" / "head_prompts_wide.py")
-assert spec is not None and spec.loader is not None
-wide = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(wide)
-
+sys.path.insert(0, str(ROOT / "scripts"))  # (the script puts bench/ on the path for the evaluation prompts)
+import head_prompts_wide as wide  # noqa: E402
 from head_eval_prompts import ALL as EVAL  # noqa: E402
 
 HELD_OUT = [p for _, p in EVAL]
