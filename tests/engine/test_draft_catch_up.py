@@ -159,14 +159,14 @@ def test_the_policy_decides_once_while_the_draft_catches_up(monkeypatch: pytest.
     engine = _engine(True, speculative_adaptive=True)
     policy = engine.spec.policy
     calls = []
-    inner = policy.choose_k
+    inner = policy.choose_ks
 
-    def choose_k(state, batch_size):
-        k = inner(state, batch_size)
-        calls.append((engine.num_steps, k))
-        return k
+    def choose_ks(states, batch_size, rooms=None):
+        ks = inner(states, batch_size, rooms)
+        calls.extend((engine.num_steps, k) for k in ks)  # one request: asked about it or not
+        return ks
 
-    monkeypatch.setattr(policy, "choose_k", choose_k)
+    monkeypatch.setattr(policy, "choose_ks", choose_ks)
     draft = DraftCalls(engine)
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     proposed_at = []

@@ -57,7 +57,9 @@ def test_the_line() -> None:
 @pytest.fixture(scope="module")
 def ngram_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
     model = make_chat_model(tmp_path_factory.mktemp("stats-model") / "chatml")
-    s = ServeProc(tmp_path_factory.mktemp("stats"), f"--model={model}", "--speculative-method=ngram", "--no-speculative-adaptive")
+    s = ServeProc(
+        tmp_path_factory.mktemp("stats"), f"--model={model}", "--speculative-method=ngram", "--no-speculative-adaptive"
+    )
     yield s.wait_listening()
     s.close()
 

@@ -344,11 +344,82 @@ def test_no_probes_where_even_perfect_acceptance_would_not_pay():
 def test_estimate_is_smoothed_towards_the_prior():
     pol = SpeculationPolicy(PolicyConfig(prior_acceptance=0.5, prior_weight=4.0))
     st = pol.new_state()
-    assert pol.estimate(st) == pytest.approx(0.5)
+    assert pol.estimate(st) == pol.prior() == pytest.approx(0.5)
     pol.update(st, 4, 0)  # one empty round (one rejection): not yet hopeless
-    assert pol.estimate(st) == pytest.approx(2 / 5)
+    assert pol.prior() == pytest.approx(2 / 5)  # the pooled rounds, smoothed towards prior_acceptance
+    assert pol.estimate(st) == pytest.approx((0 + 4 * 2 / 5) / (1 + 4))
     pol.update(st, 4, 4)  # four acceptances, no rejection
-    assert pol.estimate(st) == pytest.approx(6 / 9)
+    assert pol.prior() == pytest.approx(6 / 9)
+    assert pol.estimate(st) == pytest.approx((4 + 4 * 6 / 9) / (5 + 4))
+
+
+def test_a_new_request_starts_from_what_recent_rounds_were_accepted_at():
+    """A head accepted about half the time: a new request is assumed accepted about half the
+    time, not at prior_acceptance (0.7), and only the last pool_window rounds count."""
+    pol = SpeculationPolicy(PolicyConfig(pool_window=100))
+    for _ in range(150):
+        pol.update(pol.new_state(), 4, 1)  # one accepted, then a rejection: per-token 0.5
+    assert pol.estimate(pol.new_state()) == pol.prior() == pytest.approx((100 + 0.7 * 2) / (200 + 2))
+    for _ in range(100):
+        pol.update(pol.new_state(), 2, 2)  # the old rounds drop out
+    assert pol.prior() == pytest.approx((200 + 0.7 * 2) / (0 + 200 + 2))
+
+
+def test_drafts_granted_together_where_none_pays_alone():
+    """Batch 4, a draft step costing a fifth of a plain step whatever its batch: one request
+    drafting alone bears it all and cannot pay; four sharing it do."""
+    costs = _costs(per_token=1e-4, fixed=10e-3, draft_fixed=2e-3, draft_per_seq=5e-5, sizes=range(1, 100))
+    pol = SpeculationPolicy(PolicyConfig(initial_k=2), costs)
+    states = [pol.new_state() for _ in range(4)]
+    for st in states:
+        for _ in range(8):
+            pol.update(st, 2, 1)  # per-token acceptance 0.5
+    assert pol.choose_k(pol.new_state(), 4) == 0
+    ks = pol.choose_ks(states, 4)
+    assert ks == [ks[0]] * 4 and ks[0] > 0, ks
+
+
+def test_at_batch_64_only_the_requests_that_raise_the_step_draft():
+    """Four requests accepted 90% of the time and sixty accepted 30%, a forward pass costing
+    0.1 ms a token over 10 ms: drafting the four raises the step's tokens per second, each of
+    the sixty would lower it (a drafted token's verify row costs more than the 0.3 tokens it
+    adds). (At 0.02 ms a token all 64 drafting one token each is the best step, and chosen.)"""
+    costs = _costs(per_token=1e-4, fixed=10e-3, draft_fixed=1e-4, draft_per_seq=2e-6, sizes=range(1, 600))
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=4, prior_weight=0.0), costs)
+    good, poor = [pol.new_state() for _ in range(4)], [pol.new_state() for _ in range(60)]
+    for i in range(10):
+        for st in good:
+            pol.update(st, 10, 9)  # per token: 9 accepted, 1 rejected
+        for st in poor:
+            pol.update(st, 1, int(i < 3))  # 3 accepted, 7 rejected
+        for st in poor:
+            st.cap = 4
+    ks = pol.choose_ks(poor[:30] + good + poor[30:], 64)
+    assert ks[30] > 0 and ks[30:34] == [ks[30]] * 4 and sum(ks) == 4 * ks[30], ks
+
+
+def test_a_request_drafts_no_more_than_its_room():
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4))
+    a, b, c = pol.new_state(), pol.new_state(), pol.new_state()
+    assert pol.choose_ks([a, b, c], 3, rooms=[0, 2, 9]) == [0, 2, 4]  # nothing measured: the caps, within the rooms
+
+
+def test_one_time_taken_in_a_burst_does_not_switch_drafting_off():
+    """The engine's cost model wants two times of a size before it believes it: a draft step
+    timed once in a burst of interference (100 ms, not 0.1) priced every draft out, even at
+    perfect acceptance, so nothing was probed again (CI: a 32-token reply drafted nothing)."""
+    costs = CostModel(min_samples=2)
+    for _ in range(3):
+        for n in (1, 2, 3, 4, 5):
+            costs.record_target(n, 0.010)
+    costs.record_draft(1, 0.5)  # cold: dropped
+    costs.record_draft(1, 0.100)  # the burst
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4), costs)
+    assert costs.draft_time(1) is None and pol.choose_k(pol.new_state(), 1) == 4  # not priced yet: drafts
+    costs.record_draft(1, 0.0001)
+    assert costs.draft_time(1) == 0.0001 and pol.choose_k(pol.new_state(), 1) == 4
+    with pytest.raises(ValueError, match="min_samples"):
+        CostModel(window=3, min_samples=4)
 
 
 def _priced(verify_over_plain: float, draft_over_plain: float) -> SpeculationPolicy:

@@ -111,7 +111,8 @@ class SpecDecoder:
         lookup = any(m in ("ngram", "suffix") for m in self.method.split("+"))
         probe_after = 8 if lookup else PolicyConfig.probe_after
         self.policy = SpeculationPolicy(
-            PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after), CostModel()
+            PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after),
+            CostModel(forget_after=1024, min_samples=2),
         )
         self.adaptive = config.speculative_adaptive
         self.totals = {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
@@ -236,14 +237,13 @@ class SpecDecoder:
 
     def draft_tokens(self, req: Request) -> list[int]:
         """This step's drafts of ``req`` (the target verifies them after its last token)."""
-        sr = self.requests.get(req.request_id)
-        return [] if sr is None else sr.drafts
+        return sr.drafts if (sr := self.requests.get(req.request_id)) is not None else []
 
     # ------------------------------------------------------------------ plan
 
     def plan(self, running: Sequence[Request]) -> SpecPlan:
-        """Before scheduling: the draft positions each decoding request of ``running`` wants.
-        Empty when drafting cannot pay at this batch size or the policy wants a plain step timed."""
+        """Before scheduling: the draft positions each decoding request of ``running`` wants
+        (none where drafting cannot pay at this batch size, or a plain step is to be timed)."""
         plan = SpecPlan()
         n = len(running)
         if not self.policy.may_pay(n, self.adaptive) or (self.adaptive and self.policy.measure_plain(n)):
@@ -256,7 +256,12 @@ class SpecDecoder:
                 sr.drafts, sr.q = [], None
                 if sr.policy.limit > 0:
                     decoding.append(req)
-        done, plan.failed = contain_each(decoding, lambda r: self._plan_one(r, self.requests[r.request_id], n), _self)
+        ask = [r for r in decoding if self.adaptive and self.requests[r.request_id].deferred_k is None]
+        ks = self.policy.choose_ks([self.requests[r.request_id].policy for r in ask], n, [self._room(r) for r in ask])
+        asked = {r.request_id: k for r, k in zip(ask, ks, strict=True)}  # decided together; none for a fixed k
+        done, plan.failed = contain_each(
+            decoding, lambda r: self._plan_one(r, self.requests[r.request_id], asked.get(r.request_id)), _self
+        )
         for req, (k, behind) in done:
             if behind:
                 plan.behind.append(req)
@@ -264,19 +269,22 @@ class SpecDecoder:
                 plan.draft_k[req.request_id] = k
         return plan
 
-    def _plan_one(self, req: Request, sr: SpecRequest, batch_size: int) -> tuple[int, bool]:
-        """Draft positions ``req`` wants: the policy's k within what is left of its max_tokens
-        and the context, and what the proposer can offer; and whether the proposer must catch up
-        on it first this step (a hybrid's lookup may draft instead, and the catch-up waits)."""
+    def _room(self, req: Request) -> int:  # the most it may draft: what is left of its max_tokens and the context
+        return min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+
+    def _plan_one(self, req: Request, sr: SpecRequest, asked: int | None) -> tuple[int, bool]:
+        """Draft positions ``req`` wants: the policy's k (``asked``; the request's limit with a
+        fixed k) within its room, and what the proposer can offer; and whether the proposer must
+        catch up on it first this step (a hybrid's lookup may draft instead, and the catch-up waits)."""
         st = sr.policy
         if not self.proposer.can_draft(req):
             st.cap = st.limit = 0  # tokens the proposer cannot read: not speculated any more
             self.proposer.release(req)
             return 0, False
-        room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+        room = self._room(req)
         k, sr.deferred_k = sr.deferred_k, None  # decided while catching up: the policy is not asked twice
         if k is None:
-            k = self.policy.choose_k(st, batch_size) if self.adaptive else st.limit
+            k = asked if asked is not None else st.limit
         k = max(0, min(k, room))
         behind = k > 0 and self.proposer.backlog(req) > self.proposer.inline_backlog
         m = self.proposer.offer(req, k, max(k, min(st.limit, room)), behind)

@@ -93,17 +93,23 @@ class HiddenStateProposer(Proposer):
         layer over them). A request whose earlier positions were not all seen (state lost to
         a failure) is dropped: it is not drafted for again (:meth:`can_draft`)."""
         for it in items:
-            t = self.tracks.get(it.request.request_id)
-            if t is None and it.start == it.request.prefill_start:
-                t = self.tracks[it.request.request_id] = Track(computed=it.start, kv=it.start, base=it.start)
-            if t is None or t.computed not in (it.start, it.start + 1):
-                self.release(it.request)
-                continue
-            n = len(it.token_ids)
-            # copies: a view would keep the whole step's hidden states alive as long as the request
-            t.tail, t.tail_start = (it.rows.clone(), it.start) if n <= MAX_TAIL else (None, 0)
-            t.last_feat = it.rows[-1].clone()
-            t.computed = it.start + n
+            self._track(it, it.rows.clone())
+
+    def _track(self, it: Observed, rows: torch.Tensor) -> Track | None:
+        """Move ``it``'s track on over its positions, whose features ``rows`` are a copy (a view
+        would keep the whole step's hidden states alive as long as the request); None when the
+        request is dropped."""
+        t = self.tracks.get(it.request.request_id)
+        if t is None and it.start == it.request.prefill_start:
+            t = self.tracks[it.request.request_id] = Track(computed=it.start, kv=it.start, base=it.start)
+        if t is None or t.computed not in (it.start, it.start + 1):
+            self.release(it.request)
+            return None
+        n = len(it.token_ids)
+        t.tail, t.tail_start = (rows, it.start) if n <= MAX_TAIL else (None, 0)
+        t.last_feat = rows[-1] if n == 1 else rows[-1].clone()  # (a view of a prompt's rows would keep them all)
+        t.computed = it.start + n
+        return t
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:
         """Keep the features of the accepted prefix: f up to position ``N - 1 + accepted``."""
@@ -250,19 +256,18 @@ class EagleProposer(HiddenStateProposer):
         """Keep the features of each request's new positions (a verify pass's wait for
         :meth:`settle`, which knows how many of them are real)."""
         for it in items:
-            t = self.tracks.get(it.request.request_id)
-            verify = t is not None and it.num_drafts > 0  # drafted by this head or, in a hybrid, by the lookup
-            super().observe([it])
-            t = self.tracks.get(it.request.request_id)
+            verify = it.request.request_id in self.tracks and it.num_drafts > 0  # by this head or a hybrid's lookup
+            rows = it.rows.clone()  # one copy: the track's tail and the features kept share it (never written)
+            t = self._track(it, rows)
             if t is None:
                 continue
             if not t.pending and t.kv == t.base:
-                t.pending.append(torch.zeros_like(it.rows[0])[None])  # f_{base - 1}: unseen, as f_{-1}
+                t.pending.append(torch.zeros_like(rows[0])[None])  # f_{base - 1}: unseen, as f_{-1}
             if not verify:
-                t.pending.append(it.rows.clone())
-                if len(t.pending) > 64:  # steps without drafting: one tensor, so that counting stays cheap
+                t.pending.append(rows)
+                if len(t.pending) > 64:  # steps without drafting: one tensor, so that catching up stays cheap
                     t.pending = [torch.cat(t.pending)]
-                if sum(p.shape[0] for p in t.pending) > self.max_pending:
+                if t.computed - t.kv + 1 > self.max_pending:  # kept: f_{kv - 1} .. f_{computed - 1}
                     self.release(it.request)
 
     def settle(self, req: Request, num_tokens_before: int, k: int, accepted: int) -> None:

@@ -11,17 +11,16 @@ Two layers:
    row, up to four times); once they are, the cost layer alone switches drafting off and on.
 2. **Cost**: the engine records how long draft steps and verify steps take at each batch
    size (``CostModel``). Given an acceptance rate a, k drafted tokens yield on average
-   (1 - a^(k+1)) / (1 - a) tokens per step; the policy picks the k (zero included) up to the
-   request's cap that gives the step the most tokens per second at the current batch size
-   (counting this request's drafts at the margin: its k more tokens in the forward pass and
-   its k draft steps), so speculation switches itself down where batches are large enough that it no
-   longer pays. A request for which the costs chose k = 0 for ``probe_after`` steps in a row
-   speculates once with k = 1, so that its acceptance estimate (and the costs) stay current
-   — unless even perfect acceptance would not pay at the current batch size (then a probe
-   could only cost: a large batch verifying twice its tokens, the draft catching up).
+   (1 - a^(k+1)) / (1 - a) tokens per step; a step's requests are granted drafts together,
+   the likeliest first, each the k (zero included, up to its cap) that most raises the step's
+   tokens per second given the drafts granted before it (``StepPrice``), so speculation
+   switches itself down where batches are large. A request for which the costs chose k = 0
+   ``probe_after`` steps in a row speculates once with k = 1 (its estimate and the costs stay
+   current) unless even perfect acceptance would not pay at this batch size.
 
-The acceptance estimate is smoothed towards ``prior_acceptance`` with ``prior_weight``
-pseudo-observations, so that one unlucky round does not decide a request's fate. Drafting is
+The acceptance estimate is smoothed towards the prior (what the last rounds of all requests
+were accepted at) with ``prior_weight`` pseudo-observations, so that one unlucky round does
+not decide a request's fate. Drafting is
 chosen only when it promises ``margin`` times plain's tokens per second. The plain step's
 cost is what everything is weighed against, so ``measure_plain`` asks the engine for a timed
 plain step while it is unknown at the current batch size, and now and then after that (see
@@ -33,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -48,7 +48,8 @@ class PolicyConfig:
     probe_after: int = 32  # plain steps after which an off request is probed again
     window: int = 16  # rounds of history behind the acceptance estimate
     prior_acceptance: float = 0.7  # acceptance assumed before a request has any history
-    prior_weight: float = 2.0  # pseudo-observations of prior_acceptance mixed into the estimate
+    prior_weight: float = 2.0  # pseudo-observations of the prior mixed into a request's estimate
+    pool_window: int = 256  # rounds of all requests behind the prior (see SpeculationPolicy.prior)
     margin: float = 1.03  # drafting must promise this many times plain's tokens/s to be chosen
     min_plain_samples: int = 3  # plain-step times wanted at a batch size before trusting them
     measure_gap: int = 4  # steps between two forced plain steps while those are missing
@@ -61,8 +62,8 @@ class PolicyConfig:
             raise ValueError(f"initial_k must be in [1, max_k={self.max_k}], got {self.initial_k}")
         if not 0.0 <= self.lower_below <= self.raise_above <= 1.0:
             raise ValueError("need 0 <= lower_below <= raise_above <= 1")
-        if self.off_after < 1 or self.probe_after < 1 or self.window < 1:
-            raise ValueError("off_after, probe_after and window must be >= 1")
+        if self.off_after < 1 or self.probe_after < 1 or self.window < 1 or self.pool_window < 1:
+            raise ValueError("off_after, probe_after, window and pool_window must be >= 1")
         if not 0.0 <= self.prior_acceptance < 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1), got {self.prior_acceptance}")
         if self.prior_weight < 0:
@@ -126,6 +127,11 @@ class CostModel:
       in a noisier moment; a forward pass over more tokens does not cost less). Without this,
       a plain step timed during interference next to a verify step timed in a quiet moment
       makes drafting look free.
+    * **Enough samples**: a size with fewer than ``min_samples`` current times counts as not
+      measured yet (the engine asks for 2). One time taken in a burst of interference made a
+      size look so dear that it was never chosen, so never measured again: a 32-token reply with
+      n-gram lookup on a repeating prompt drafted nothing (it looked unpayable even with perfect
+      acceptance, so not even probed). Estimated from the others, the size is tried again.
     * **Sizes not measured**: between two measured sizes, linear interpolation; outside
       them, an affine fit ``a + b * size`` over all measured sizes (least squares, ``a >= 0``,
       ``b >= 0``) anchored at the nearest one. Time is never assumed proportional to size: a
@@ -135,11 +141,15 @@ class CostModel:
       size it is never less than proportional scaling would give.
     """
 
-    def __init__(self, window: int = 9, forget_after: int = 256) -> None:
-        if window < 1 or forget_after < 1:
-            raise ValueError(f"window and forget_after must be >= 1, got {window}, {forget_after}")
+    def __init__(self, window: int = 9, forget_after: int = 256, min_samples: int = 1) -> None:
+        if window < 1 or forget_after < 1 or not 1 <= min_samples <= window:
+            raise ValueError(
+                f"need window >= 1, forget_after >= 1 and 1 <= min_samples <= window, got {window}, {forget_after}, "
+                f"{min_samples}"
+            )
         self.window = window
         self.forget_after = forget_after
+        self.min_samples = min_samples
         self._verify: dict[int, deque[tuple[int, float]]] = {}  # forward tokens -> recent (version, seconds)
         self._draft: dict[int, deque[tuple[int, float]]] = {}  # sequences in a draft step -> the same
         self._seen: dict[int, set[int]] = {id(self._verify): set(), id(self._draft): set()}  # sizes seen once
@@ -177,7 +187,8 @@ class CostModel:
         if got is not None and got[0] == self.version:
             return got[1], got[2], got[3]
         oldest = self.version - self.forget_after
-        times = {k: min(t for v, t in d if v > oldest) for k, d in table.items() if any(v > oldest for v, _ in d)}
+        current = {k: [t for v, t in d if v > oldest] for k, d in table.items()}
+        times = {k: min(ts) for k, ts in current.items() if len(ts) >= self.min_samples}
         keys = sorted(times)
         for small, big in zip(reversed(keys[:-1]), reversed(keys[1:]), strict=True):
             times[small] = min(times[small], times[big])  # more tokens never cost less
@@ -201,6 +212,15 @@ class CostModel:
             return times[keys[-1]] + slope * (key - keys[-1])
         smallest = keys[0]
         return max(times[smallest] - slope * (smallest - key), times[smallest] * key / smallest)
+
+    def trusted_size(self) -> int:
+        """The largest forward size a step may be planned at: the largest measured one plus a
+        quarter (at least 8). Sizes beyond the measured ones are extrapolated from the fit,
+        whose slope comes from the small sizes where a CPU pass costs about the same for 1 or 9
+        tokens: planned at once, the verify passes at batch 64 ran 100 tokens beyond what was
+        measured and cost twice the estimate. Grown step by step, the sizes get measured."""
+        keys, _, _ = self._summary(self._verify)
+        return keys[-1] + max(8, keys[-1] // 4) if keys else 0
 
     def target_time(self, num_tokens: int) -> float | None:
         return self._lookup(self._verify, num_tokens)
@@ -231,6 +251,8 @@ class SpeculationPolicy:
         self._memo: dict[tuple[float, int, int], int] = {}
         self._memo_version = -1
         self._since_plain = self.config.remeasure_every  # steps since the last forced plain step
+        self._pool: deque[tuple[int, int]] = deque()  # (accepted, rejections) of recent rounds of any request
+        self._pool_sums = [0, 0]
 
     def measure_plain(self, batch_size: int) -> bool:
         """Whether this step (one that could speculate, at ``batch_size``) should decode plainly
@@ -252,27 +274,41 @@ class SpeculationPolicy:
         limit = self.config.max_k if cap is None else max(0, min(cap, self.config.max_k))
         return RequestSpecState(cap=min(self.config.initial_k, limit), limit=limit)
 
+    def choose_ks(
+        self, states: Sequence[RequestSpecState], batch_size: int, rooms: Sequence[int] | None = None
+    ) -> list[int]:
+        """Tokens to draft for each decoding request of a step of ``batch_size`` requests (0:
+        a plain decode step), at most ``rooms[i]`` for the i-th (what is left of its budget).
+        Requests switched off wait or probe; the others are granted drafts together
+        (:meth:`StepPrice.grant`), and one granted none for ``probe_wait`` steps probes."""
+        ks, free, caps = [0] * len(states), [], []
+        for i, st in enumerate(states):
+            cap = st.cap if rooms is None else max(0, min(st.cap, rooms[i]))
+            if cap == 0:
+                continue
+            if st.off_steps is None:
+                free.append(i)
+                caps.append(cap)
+            elif st.off_steps < self.probe_wait(st):
+                st.off_steps += 1
+            else:
+                ks[i] = 1  # probe
+        granted = StepPrice(self, batch_size, sum(ks)).grant([self.estimate(states[i]) for i in free], caps)
+        for i, k in zip(free, granted, strict=True):
+            st = states[i]
+            if k > 0:
+                ks[i], st.idle_steps, st.probes = k, 0, 0
+            elif self._best_k(1.0, st.cap, batch_size) > 0:  # else not even perfect acceptance pays here
+                st.idle_steps += 1
+                if st.idle_steps > self.probe_wait(st):
+                    st.idle_steps, ks[i] = 0, 1  # re-measure: acceptance and costs move
+                    st.probes += 1
+        return ks
+
     def choose_k(self, state: RequestSpecState, batch_size: int) -> int:
-        """Tokens to draft for this request this step (0: a plain decode step)."""
-        if state.cap == 0:
-            return 0
-        if state.off_steps is not None:
-            if state.off_steps < self.probe_wait(state):
-                state.off_steps += 1
-                return 0
-            return 1  # probe
-        k = self._best_k(self.estimate(state), state.cap, batch_size)
-        if k > 0:
-            state.idle_steps = state.probes = 0
-            return k
-        if self._best_k(1.0, state.cap, batch_size) == 0:
-            return 0  # not even perfect acceptance would pay at this batch size: nothing to probe
-        state.idle_steps += 1
-        if state.idle_steps > self.probe_wait(state):
-            state.idle_steps = 0
-            state.probes += 1
-            return 1  # re-measure: acceptance and costs move
-        return 0
+        """Tokens to draft for this request this step (0: a plain decode step), the only one
+        that may draft among ``batch_size``."""
+        return self.choose_ks([state], batch_size)[0]
 
     def priced(self) -> bool:
         """Whether the cost layer can price a round (plain and draft steps measured). Then it
@@ -297,46 +333,31 @@ class SpeculationPolicy:
     def estimate(self, state: RequestSpecState) -> float:
         """Per-token acceptance over the window (see RequestSpecState.acceptance_rate),
         smoothed towards the prior with prior_weight pseudo-observations."""
-        cfg = self.config
+        w = self.config.prior_weight
         accepted = sum(a for _, a in state.rounds)
         rejected = sum(1 for k, a in state.rounds if a < k)
+        return (accepted + self.prior() * w) / (accepted + rejected + w)
+
+    def prior(self) -> float:
+        """What a request without history is assumed to be accepted at: the per-token
+        acceptance of the last ``pool_window`` rounds of every request, smoothed towards
+        ``prior_acceptance`` with ``prior_weight`` pseudo-observations. A fixed 0.7 had every new
+        request draft 4 tokens at batch 64 with a head accepted about half the time."""
+        cfg = self.config
+        accepted, rejected = self._pool_sums
         return (accepted + cfg.prior_acceptance * cfg.prior_weight) / (accepted + rejected + cfg.prior_weight)
 
     def _best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
-        """The k in [0, cap] with the most expected tokens per second; memoised until the
-        costs change (a batch of many requests asks the same question many times a step)."""
+        """The best k for a request drafting alone at ``batch_size`` (may it pay at all?);
+        memoised until the costs change (asked for many requests a step)."""
         if self._memo_version != self.costs.version:
             self._memo.clear()
             self._memo_version = self.costs.version
         key = (round(acceptance, 3), cap, batch_size)
         k = self._memo.get(key)
         if k is None:
-            k = self._memo[key] = self._compute_best_k(acceptance, cap, batch_size)
+            k = self._memo[key] = StepPrice(self, batch_size).grant([acceptance], [cap])[0]
         return k
-
-    def _compute_best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
-        """The request's k decided at the margin: one request drafting k tokens in a batch of
-        n makes the step's forward n + k tokens long and adds k draft steps, which the whole
-        batch waits for, for (1 - a^(k+1)) / (1 - a) - 1 more tokens. The step's tokens per
-        second with the drafts must beat plain's n / plain(n) by ``margin``. (Pricing the draft
-        steps as if this request drafted alone is pessimistic where many draft together: the
-        side to err on. Assuming every request drafts the same k made speculation look as good
-        at batch 4 as at batch 1, where requests of different acceptance shared the cost.)"""
-        n = max(batch_size, 1)
-        plain = self.costs.target_time(n)
-        draft = self.costs.draft_time(1)
-        if plain is None or draft is None:
-            return cap  # nothing measured yet: acceptance alone decides
-        best_k, best_rate = 0, 0.0
-        for k in range(1, cap + 1):
-            verify = self.costs.target_time(n + k)
-            assert verify is not None
-            rate = (n - 1 + expected_tokens(acceptance, k)) / (verify + k * draft)
-            if rate > best_rate * 1.02:  # prefer fewer drafted tokens unless clearly better
-                best_k, best_rate = k, rate
-        if best_rate <= self.config.margin * n / plain:  # drafting must clearly beat plain decoding
-            return 0
-        return best_k
 
     def update(self, state: RequestSpecState, proposed: int, accepted: int) -> None:
         """Record one verified round of ``proposed`` drafted tokens, ``accepted`` of them kept."""
@@ -351,6 +372,13 @@ class SpeculationPolicy:
         state.rounds.append((proposed, accepted))
         while len(state.rounds) > cfg.window:
             state.rounds.popleft()
+        self._pool.append((accepted, int(accepted < proposed)))
+        self._pool_sums[0] += accepted
+        self._pool_sums[1] += int(accepted < proposed)
+        while len(self._pool) > cfg.pool_window:
+            a, r = self._pool.popleft()
+            self._pool_sums[0] -= a
+            self._pool_sums[1] -= r
         if state.off_steps is not None:  # this was a probe
             if accepted == 0:
                 state.off_steps = 0
@@ -372,3 +400,48 @@ class SpeculationPolicy:
             state.cap = min(state.cap + 1, state.limit)
         elif rate < cfg.lower_below:
             state.cap = max(state.cap - 1, 1)
+
+
+class StepPrice:
+    """The drafts of one step's requests, granted together. With n requests decoding, j of
+    them drafting (the likeliest to be accepted) up to D tokens each (their caps permitting),
+    the verify pass is n + their drafts long and D draft steps run for j sequences; the
+    (j, D) with the most expected tokens per second is chosen (fewer drafted tokens unless
+    clearly better), or nothing unless it beats ``margin`` times plain's. Priced one request
+    at a time, as if each drafted alone, no single request could pay at batch 4 where four
+    sharing the draft steps do (a head drafting k = 2 for all four: 1.72 tokens per forward,
+    the adaptive policy 1.11 at the same speed), and the sizes priced were never the step's."""
+
+    def __init__(self, policy: SpeculationPolicy, batch_size: int, probes: int = 0) -> None:
+        self.costs, self.margin = policy.costs, policy.config.margin
+        self.n, self.probes = max(batch_size, 1), probes  # probes: requests drafting 1 token whatever it costs
+        self.plain = self.costs.target_time(self.n)
+
+    def grant(self, acceptances: Sequence[float], caps: Sequence[int]) -> list[int]:
+        """k for each request (its acceptance estimate, its cap); the caps while no plain step
+        is measured (acceptance alone decides). Draft steps not measured yet are taken as free
+        (drafting is how they get measured), within the trusted sizes: taken as a reason to
+        draft every cap, they had 63 of 63 new requests draft 4 tokens at batch 63."""
+        if self.plain is None:
+            return list(caps)
+        order = sorted(range(len(caps)), key=lambda i: -acceptances[i])
+        best, best_rate = (0, 0), self.margin * self.n / self.plain
+        trusted = self.costs.trusted_size()
+        for depth in range(1, max(caps, default=0) + 1):
+            tokens, gain, pick, pick_rate = self.n + self.probes, float(self.n), 0, 0.0  # (probes' gain not counted)
+            for j, i in enumerate(order, 1):
+                k = min(caps[i], depth)
+                tokens += k
+                if tokens > trusted:
+                    break
+                gain += expected_tokens(acceptances[i], k) - 1
+                draft = self.costs.draft_time(j + self.probes) or 0.0
+                verify = self.costs.target_time(tokens)
+                assert verify is not None
+                rate = gain / (verify + depth * draft)
+                if rate > pick_rate:
+                    pick, pick_rate = j, rate
+            if pick_rate > best_rate * (1.02 if best[0] else 1.0):  # more drafts only when clearly better
+                best, best_rate = (pick, depth), pick_rate
+        chosen = set(order[: best[0]])
+        return [min(caps[i], best[1]) if i in chosen else 0 for i in range(len(caps))]
