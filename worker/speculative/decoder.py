@@ -110,10 +110,8 @@ class SpecDecoder:
         # resumes after an edit): a request it switched off is probed again sooner
         lookup = any(m in ("ngram", "suffix") for m in self.method.split("+"))
         probe_after = 8 if lookup else PolicyConfig.probe_after
-        self.policy = SpeculationPolicy(
-            PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after),
-            CostModel(forget_after=1024, min_samples=2),
-        )
+        policy_config = PolicyConfig(max_k=k, initial_k=min(4, k), probe_after=probe_after)
+        self.policy = SpeculationPolicy(policy_config, CostModel(forget_after=1024, min_samples=2))
         self.adaptive = config.speculative_adaptive
         self.totals = {"proposed": 0, "accepted": 0, "verify_steps": 0, "draft_seconds": 0.0}
         self.requests: dict[str, SpecRequest] = {}  # request id -> its speculation record
