@@ -458,3 +458,21 @@ def test_once_priced_a_zero_streak_leaves_the_decision_to_the_costs():
     for _ in range(3):
         unpriced.update(st, 1, 0)
     assert st.off_steps == 0  # nothing timed yet: the streak rule still applies
+
+
+def test_a_step_is_never_planned_far_beyond_the_sizes_measured():
+    """Measured up to 64 tokens with a fit that says a token costs next to nothing: drafting
+    4 tokens for each of 64 requests (320 tokens) would look free. The step may reach the
+    largest measured size plus a quarter (80 tokens): 16 drafted tokens; once 80 is measured,
+    100; draft steps not timed yet count as free (the grant is how they get timed)."""
+    costs = CostModel(min_samples=2)
+    for n in (1, 8, 64):
+        for _ in range(3):  # the first dropped, 2 kept
+            costs.record_target(n, 0.010 + 1e-6 * n)
+    assert costs.trusted_size() == 80 and costs.draft_time(1) is None
+    pol = SpeculationPolicy(PolicyConfig(initial_k=4, max_k=4), costs)
+    states = [pol.new_state() for _ in range(64)]
+    assert sum(pol.choose_ks(states, 64)) == 16
+    for _ in range(3):
+        costs.record_target(80, 0.010 + 1e-6 * 80)
+    assert costs.trusted_size() == 100 and sum(pol.choose_ks(states, 64)) == 36

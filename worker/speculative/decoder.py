@@ -254,9 +254,11 @@ class SpecDecoder:
                 sr.drafts, sr.q = [], None
                 if sr.policy.limit > 0:
                     decoding.append(req)
-        ask = [r for r in decoding if self.adaptive and self.requests[r.request_id].deferred_k is None]
-        ks = self.policy.choose_ks([self.requests[r.request_id].policy for r in ask], n, [self._room(r) for r in ask])
-        asked = {r.request_id: k for r, k in zip(ask, ks, strict=True)}  # decided together; none for a fixed k
+        asked = {}  # the policy's k of each request not catching up, decided together (none for a fixed k)
+        if self.adaptive:
+            ask = [r for r in decoding if self.requests[r.request_id].deferred_k is None]
+            ks = self.policy.choose_ks([self.requests[r.request_id].policy for r in ask], n, list(map(self._room, ask)))
+            asked = {r.request_id: k for r, k in zip(ask, ks, strict=True)}
         done, plan.failed = contain_each(
             decoding, lambda r: self._plan_one(r, self.requests[r.request_id], asked.get(r.request_id)), _self
         )
@@ -271,9 +273,8 @@ class SpecDecoder:
         return min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
 
     def _plan_one(self, req: Request, sr: SpecRequest, asked: int | None) -> tuple[int, bool]:
-        """Draft positions ``req`` wants: the policy's k (``asked``; the request's limit with a
-        fixed k) within its room, and what the proposer can offer; and whether the proposer must
-        catch up on it first this step (a hybrid's lookup may draft instead, and the catch-up waits)."""
+        """Draft positions ``req`` wants: the policy's k (``asked``; with a fixed k its limit) within its room and
+        what the proposer offers; and whether the proposer catches up on it first (a hybrid's lookup may draft)."""
         st = sr.policy
         if not self.proposer.can_draft(req):
             st.cap = st.limit = 0  # tokens the proposer cannot read: not speculated any more

@@ -107,7 +107,7 @@ class HiddenStateProposer(Proposer):
             return None
         n = len(it.token_ids)
         t.tail, t.tail_start = (rows, it.start) if n <= MAX_TAIL else (None, 0)
-        t.last_feat = rows[-1] if n == 1 else rows[-1].clone()  # (a view of a prompt's rows would keep them all)
+        t.last_feat = rows[-1] if t.tail is not None else rows[-1].clone()  # a view only where the tail keeps rows
         t.computed = it.start + n
         return t
 

@@ -11,10 +11,10 @@ Two layers:
    row, up to four times); once they are, the cost layer alone switches drafting off and on.
 2. **Cost**: the engine records how long draft steps and verify steps take at each batch
    size (``CostModel``). Given an acceptance rate a, k drafted tokens yield on average
-   (1 - a^(k+1)) / (1 - a) tokens per step; a step's requests are granted drafts together,
-   the likeliest first, each the k (zero included, up to its cap) that most raises the step's
-   tokens per second given the drafts granted before it (``StepPrice``), so speculation
-   switches itself down where batches are large. A request for which the costs chose k = 0
+   (1 - a^(k+1)) / (1 - a) tokens per step; a step's drafts are granted together
+   (``StepPrice``): the j likeliest requests draft up to D tokens each, the (j, D) giving the
+   step the most tokens per second, so speculation switches itself down where batches are
+   large. A request for which the costs chose k = 0
    ``probe_after`` steps in a row speculates once with k = 1 (its estimate and the costs stay
    current) unless even perfect acceptance would not pay at this batch size.
 
@@ -252,7 +252,7 @@ class SpeculationPolicy:
         self._memo_version = -1
         self._since_plain = self.config.remeasure_every  # steps since the last forced plain step
         self._pool: deque[tuple[int, int]] = deque()  # (accepted, rejections) of recent rounds of any request
-        self._pool_sums = [0, 0]
+        self._pool_accepted = self._pool_rejected = 0  # their sums
 
     def measure_plain(self, batch_size: int) -> bool:
         """Whether this step (one that could speculate, at ``batch_size``) should decode plainly
@@ -341,11 +341,12 @@ class SpeculationPolicy:
     def prior(self) -> float:
         """What a request without history is assumed to be accepted at: the per-token
         acceptance of the last ``pool_window`` rounds of every request, smoothed towards
-        ``prior_acceptance`` with ``prior_weight`` pseudo-observations. A fixed 0.7 had every new
-        request draft 4 tokens at batch 64 with a head accepted about half the time."""
+        ``prior_acceptance`` with ``prior_weight`` pseudo-observations (a fixed 0.7 overrated a
+        head accepted about half the time on every new request)."""
         cfg = self.config
-        accepted, rejected = self._pool_sums
-        return (accepted + cfg.prior_acceptance * cfg.prior_weight) / (accepted + rejected + cfg.prior_weight)
+        return (self._pool_accepted + cfg.prior_acceptance * cfg.prior_weight) / (
+            self._pool_accepted + self._pool_rejected + cfg.prior_weight
+        )
 
     def _best_k(self, acceptance: float, cap: int, batch_size: int) -> int:
         """The best k for a request drafting alone at ``batch_size`` (may it pay at all?);
@@ -372,13 +373,12 @@ class SpeculationPolicy:
         state.rounds.append((proposed, accepted))
         while len(state.rounds) > cfg.window:
             state.rounds.popleft()
-        self._pool.append((accepted, int(accepted < proposed)))
-        self._pool_sums[0] += accepted
-        self._pool_sums[1] += int(accepted < proposed)
-        while len(self._pool) > cfg.pool_window:
+        rejected = int(accepted < proposed)
+        self._pool.append((accepted, rejected))
+        self._pool_accepted, self._pool_rejected = self._pool_accepted + accepted, self._pool_rejected + rejected
+        if len(self._pool) > cfg.pool_window:
             a, r = self._pool.popleft()
-            self._pool_sums[0] -= a
-            self._pool_sums[1] -= r
+            self._pool_accepted, self._pool_rejected = self._pool_accepted - a, self._pool_rejected - r
         if state.off_steps is not None:  # this was a probe
             if accepted == 0:
                 state.off_steps = 0
@@ -427,6 +427,7 @@ class StepPrice:
         order = sorted(range(len(caps)), key=lambda i: -acceptances[i])
         best, best_rate = (0, 0), self.margin * self.n / self.plain
         trusted = self.costs.trusted_size()
+        drafts = [self.costs.draft_time(j + self.probes) or 0.0 for j in range(1, len(caps) + 1)]  # 0: not timed yet
         for depth in range(1, max(caps, default=0) + 1):
             tokens, gain, pick, pick_rate = self.n + self.probes, float(self.n), 0, 0.0  # (probes' gain not counted)
             for j, i in enumerate(order, 1):
@@ -435,10 +436,9 @@ class StepPrice:
                 if tokens > trusted:
                     break
                 gain += expected_tokens(acceptances[i], k) - 1
-                draft = self.costs.draft_time(j + self.probes) or 0.0
                 verify = self.costs.target_time(tokens)
                 assert verify is not None
-                rate = gain / (verify + depth * draft)
+                rate = gain / (verify + depth * drafts[j - 1])
                 if rate > pick_rate:
                     pick, pick_rate = j, rate
             if pick_rate > best_rate * (1.02 if best[0] else 1.0):  # more drafts only when clearly better
